@@ -1,0 +1,145 @@
+# thunder-runbook: corpus -> LoRA adapter with data-parallel MLX across Macs.
+# `make help` lists the targets; `make -n <stage>` prints what a stage runs.
+# Works with GNU make 3.81 (macOS) and 4.x.
+
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DELETE_ON_ERROR:
+.SUFFIXES:
+MAKEFLAGS += --warn-undefined-variables --no-builtin-rules
+.DEFAULT_GOAL := help
+
+# ---- variables (all overridable: make smoke RUN=... HOSTFILE=...) ----------
+RUN         ?= stage1
+HOSTFILE    ?= hostfile.json
+CORPUS      ?= datasets/sample/corpus.jsonl
+DATASET     ?= domain_sft_v1_high_signal_thunder
+MODEL       ?= models/tiny-gemma4
+CONFIG      ?= configs/stage1.yaml
+REMOTE_ROOT ?= $(CURDIR)
+PYTHON      ?= $(REMOTE_ROOT)/.venv/bin/python
+ARCH        ?= gemma4
+SEED        ?= 0
+HOSTS       ?= 2
+JSON        ?=
+DEEP        ?=
+DRY_RUN     ?=
+SYNC_MODEL  ?=
+RESUME      ?=
+PYTEST_ARGS ?=
+# The interpreter that builds .venv: the first Python >= 3.11 found, unless given.
+BOOTSTRAP_PYTHON ?=
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMPS := .stamps
+LIB    := $(wildcard lib/*.py)
+LOCK   := requirements.lock
+
+# ---- help --------------------------------------------------------------------
+## help: list the targets (the default goal)
+.PHONY: help
+help:
+	@echo "thunder-runbook: make <target> [VAR=value ...]"
+	@echo
+	@sed -n 's/^## \([^:]*\): \(.*\)/  \1|\2/p' $(MAKEFILE_LIST) | awk -F'|' '{printf "  %-16s %s\n", $$1, $$2}'
+	@echo
+	@echo "Variables: RUN=$(RUN) HOSTFILE=$(HOSTFILE) DATASET=$(DATASET) MODEL=$(MODEL)"
+	@echo "           CONFIG=$(CONFIG) CORPUS=$(CORPUS) REMOTE_ROOT=$(REMOTE_ROOT) PYTHON=$(PYTHON)"
+
+# ---- environment ---------------------------------------------------------------
+## setup: create .venv from requirements.lock (hash-checked); re-runs only when the lock changes
+.PHONY: setup
+setup: $(VENV)/.stamp
+
+$(VENV)/.stamp: $(LOCK) bin/find_python.sh
+	rm -rf $(VENV)
+	"$$(bash bin/find_python.sh $(BOOTSTRAP_PYTHON))" -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r $(LOCK)
+	$(PY) -m pip check
+	touch $@
+
+## lock: regenerate requirements.lock (hashed, universal: macOS arm64 + Linux x86_64, Python >= 3.11)
+.PHONY: lock
+lock: $(VENV)/.stamp
+	$(VENV)/bin/uv pip compile --universal --generate-hashes --python-version 3.11 requirements.in -o $(LOCK)
+
+$(STAMPS):
+	mkdir -p $@
+
+# ---- generated inputs ----------------------------------------------------------
+## tiny-model: generate models/tiny-$(ARCH) (random weights, local BPE tokenizer; ARCH=gemma4|llama)
+.PHONY: tiny-model
+tiny-model: models/tiny-$(ARCH)/config.json
+
+models/tiny-$(ARCH)/config.json: bin/make_tiny_model.py $(LIB) $(VENV)/.stamp
+	$(PY) bin/make_tiny_model.py --arch $(ARCH) --seed $(SEED) --out models/tiny-$(ARCH)
+
+## sample-corpus: write datasets/sample/corpus.jsonl from CPython's pydoc_data.topics
+.PHONY: sample-corpus
+sample-corpus: datasets/sample/corpus.jsonl
+
+datasets/sample/corpus.jsonl: bin/make_sample_corpus.py $(LIB) $(VENV)/.stamp
+	$(PY) bin/make_sample_corpus.py --out $@
+
+# ---- stages, in pipeline order -------------------------------------------------
+## export: corpus -> datasets/$(DATASET)/ (mlx-lm chat JSONL, splits, manifest, rejects)
+.PHONY: export
+export:
+	@echo "export: not implemented yet (issue #4)" >&2; exit 2
+
+## check-parity: preflight every host in HOSTFILE (JSON=1 for one JSON object; exit 0/1/2/3)
+.PHONY: check-parity
+check-parity:
+	@echo "check-parity: not implemented yet (issue #5)" >&2; exit 2
+
+## sync: code + dataset (+ model) to REMOTE_ROOT on every host, verified by hash
+.PHONY: sync
+sync:
+	@echo "sync: not implemented yet (issue #6)" >&2; exit 2
+
+## smoke: check-parity, then a tiny run through mlx.launch with a checkpoint and a resume
+.PHONY: smoke
+smoke:
+	@echo "smoke: not implemented yet (issue #7)" >&2; exit 2
+
+## train: the real run (CONFIG), periodic checkpoints, RESUME=1 to continue
+.PHONY: train
+train:
+	@echo "train: not implemented yet (issue #7)" >&2; exit 2
+
+## control: the single-host control run on the same data, seed and global batch
+.PHONY: control
+control:
+	@echo "control: not implemented yet (issue #8)" >&2; exit 2
+
+## compare: dual vs control on the test split; writes runs/$(RUN)/compare/report.md
+.PHONY: compare
+compare:
+	@echo "compare: not implemented yet (issue #8)" >&2; exit 2
+
+## demo: the whole chain on hostfile.local.json with the sample corpus and the tiny model
+.PHONY: demo
+demo:
+	@echo "demo: not implemented yet (issue #8)" >&2; exit 2
+
+# ---- test, bench, clean --------------------------------------------------------
+## test: the whole test suite (pytest; the README's test command)
+.PHONY: test
+test: $(VENV)/.stamp
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## lint: ruff over bin/ lib/ tests/ bench/
+.PHONY: lint
+lint: $(VENV)/.stamp
+	$(VENV)/bin/ruff check bin lib tests bench
+
+## bench: run the benchmarks in bench/ (each prints a ratio against a same-run baseline)
+.PHONY: bench
+bench: $(VENV)/.stamp
+	@echo "bench: not implemented yet (issue #9)" >&2; exit 2
+
+## clean: remove stamps and generated models (keeps .venv, datasets and runs)
+.PHONY: clean
+clean:
+	rm -rf $(STAMPS) models

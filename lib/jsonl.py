@@ -1,0 +1,42 @@
+"""JSON Lines: one object per line, UTF-8, '\\n' endings."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+
+def dumps(obj: Any) -> str:
+    """One compact line (no trailing newline); NaN/inf are refused, not written."""
+    return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
+
+
+def read(path: os.PathLike | str) -> Iterator[dict]:
+    """Yield each object of a JSONL file; a bad line raises naming file and line."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: invalid JSON: {e.msg}") from e
+
+
+def write(f, records: Iterable[Any]) -> int:
+    """Write records to an open text file; returns how many."""
+    n = 0
+    for r in records:
+        f.write(dumps(r) + "\n")
+        n += 1
+    return n
+
+
+def append(path: os.PathLike | str, obj: Any) -> None:
+    """Append one event line and flush it (metrics, logs): a crash loses at most this line."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(dumps(obj) + "\n")
+        f.flush()

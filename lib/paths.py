@@ -1,0 +1,42 @@
+"""Repo paths and run folders."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = ROOT / "runs"
+DATASETS = ROOT / "datasets"
+MODELS = ROOT / "models"
+CONFIGS = ROOT / "configs"
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_run_id(run: str) -> str:
+    """A run id becomes a folder name on every host: letters, digits, '.', '_', '-'."""
+    if not RUN_ID_RE.match(run) or ".." in run:
+        raise ValueError(
+            f"run id {run!r} is not a safe folder name: use letters, digits, '.', '_', '-' "
+            "(e.g. RUN=stage1-2026-11-21); see RUNBOOK.md#run-folders"
+        )
+    return run
+
+
+def run_dir(run: str, create: bool = True) -> Path:
+    """runs/<RUN>/, created with its logs/ folder when asked."""
+    path = RUNS / check_run_id(run)
+    if create:
+        (path / "logs").mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def rel(path: os.PathLike | str) -> str:
+    """A path relative to the repo root when it is inside it (for reports), else absolute."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(ROOT))
+    except ValueError:
+        return str(p)
