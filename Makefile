@@ -93,10 +93,13 @@ export:
 check-parity:
 	@echo "check-parity: not implemented yet (issue #5)" >&2; exit 2
 
-## sync: code + dataset (+ model) to REMOTE_ROOT on every host, verified by hash
+## sync: code + dataset (+ model with SYNC_MODEL=1) to REMOTE_ROOT on every host, verified by hash
+# Always runs (a no-op sync is one hash probe per host): host state changes behind make's back.
 .PHONY: sync
-sync:
-	@echo "sync: not implemented yet (issue #6)" >&2; exit 2
+sync: datasets/$(DATASET)/manifest.json $(VENV)/.stamp | $(STAMPS)
+	rm -f $(STAMPS)/sync.$(RUN)
+	$(PY) bin/sync.py --hostfile $(HOSTFILE) --remote-root $(REMOTE_ROOT) --dataset $(DATASET) --model $(MODEL) --run $(RUN)$(if $(SYNC_MODEL), --sync-model)$(if $(DRY_RUN), --dry-run)
+	$(if $(DRY_RUN),: dry run: no stamp,touch $(STAMPS)/sync.$(RUN))
 
 ## smoke: check-parity, then a tiny run through mlx.launch with a checkpoint and a resume
 .PHONY: smoke

@@ -1,0 +1,398 @@
+#!/usr/bin/env python3
+"""sync: code, dataset (and model) to the same absolute path on every host, verified by hash.
+
+Usage:
+    python bin/sync.py --hostfile HOSTFILE --remote-root DIR --dataset NAME [--model PATH]
+                       [--sync-model] [--dry-run] [--run RUN] [--max-delete N] [--bwlimit KBPS]
+
+Example:
+    python bin/sync.py --hostfile hostfile.json --remote-root /Users/op/thunder-runbook \
+        --dataset domain_sft_v1_high_signal_thunder --model models/tiny-gemma4 --run stage1
+
+What it does, per host (hosts in parallel, each distinct ssh name once):
+1. probe: one ssh call hashes the host's copy of the code and the dataset (sha256sum or
+   `shasum -a 256`, no Python needed) and says which model files exist.
+2. transfer what differs, with rsync over ssh (argument lists only):
+   - code (bin/ lib/ configs/ Makefile requirements.lock) into REMOTE_ROOT; never deletes;
+   - the dataset into REMOTE_ROOT/datasets/.<NAME>.incoming (rsync --link-dest against the
+     current copy, so unchanged files are hard links, not bytes), then swapped into place by
+     rename: a host never sees a half-synced dataset under its final name;
+   - the model when --sync-model is given or a file of it is missing on the host.
+3. verify: probe again; every file must hash to the local manifest's value, else the host
+   and file are named and the exit code is 1.
+A re-sync with nothing changed is one probe per host and transfers nothing. When a host is
+127.0.0.1 and REMOTE_ROOT is this repo (the embedded default), the destination is the source:
+sync only verifies the local copy. Writes runs/<RUN>/sync.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lib import atomic, paths  # noqa: E402
+from lib.hashing import iter_files, sha256_file  # noqa: E402
+from lib.hostfile import Hostfile, check_path, is_local  # noqa: E402
+from lib.hostfile import load as load_hostfile  # noqa: E402
+from lib.log import RunbookError, die, event  # noqa: E402
+from lib.remote import rsh, run_on  # noqa: E402
+
+CODE = ["bin", "lib", "configs", "Makefile", "requirements.lock"]
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+PROBE_TIMEOUT = 60
+RSYNC_TIMEOUT = 3600
+
+# Read-only probe. $1 = root; then groups "--hash f..." and "--exists f...". Prints
+# `HOME <dir>`, then `<sha256>  <path>`, `MISSING  <path>` or `EXISTS  <path>` per file.
+# The script is a constant; every value reaches it as a positional argument.
+PROBE_SH = r"""
+root=$1; shift
+printf 'HOME %s\n' "$HOME"
+if [ ! -d "$root" ]; then echo NOROOT; exit 0; fi
+cd "$root" || exit 3
+if command -v sha256sum >/dev/null 2>&1; then h=sha256sum; else h="shasum -a 256"; fi
+mode=hash
+for f in "$@"; do
+  case "$f" in
+    --hash) mode=hash; continue;;
+    --exists) mode=exists; continue;;
+  esac
+  if [ ! -f "$f" ]; then printf 'MISSING  %s\n' "$f"
+  elif [ "$mode" = exists ]; then printf 'EXISTS  %s\n' "$f"
+  else $h -- "$f" || exit 3
+  fi
+done
+"""
+
+# Swap a fully transferred staging folder into place: $1 = parent, $2 = name,
+# $3 = staging name, $4 = aside name. If an earlier swap was cut between its two renames,
+# the aside copy is put back first.
+SWAP_SH = r"""
+set -e
+cd "$1"
+if [ ! -e "$2" ] && [ -d "$4" ]; then mv "$4" "$2"; fi
+rm -rf "$4"
+if [ -e "$2" ]; then mv "$2" "$4"; fi
+mv "$3" "$2"
+rm -rf "$4"
+"""
+
+HOME_RE = re.compile(r"^/(root|var/root|home/[^/]+|Users/[^/]+)/?$")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hostfile", required=True)
+    p.add_argument("--remote-root", required=True, help="absolute path on every host")
+    p.add_argument("--dataset", required=True, help="name under datasets/")
+    p.add_argument("--model", default="", help="model path (synced when under the repo)")
+    p.add_argument("--sync-model", action="store_true", help="sync the model even if present")
+    p.add_argument("--dry-run", action="store_true", help="print what would change; change nothing")
+    p.add_argument("--run", default="", help="run id: writes runs/<RUN>/sync.json")
+    p.add_argument("--max-delete", type=int, default=20, help="bound on deletions in the dataset folder")
+    p.add_argument("--bwlimit", type=int, default=0, help="rsync bandwidth limit in KiB/s (0: none)")
+    return p
+
+
+def refuse_dangerous(remote_root: str) -> str:
+    """REMOTE_ROOT must be an absolute, clean path that is neither / nor a home directory."""
+    check_path(remote_root, "REMOTE_ROOT")
+    norm = os.path.normpath(remote_root)
+    home = os.path.normpath(os.path.expanduser("~"))
+    if norm == "/" or HOME_RE.match(norm) or norm == home:
+        raise RunbookError(
+            f"REMOTE_ROOT {remote_root!r} refused: it is / or a home directory itself; "
+            "use a folder inside it, e.g. REMOTE_ROOT=$HOME/thunder-runbook",
+            "sync-refused",
+        )
+    return norm
+
+
+def inside(root: str, rel: str) -> str:
+    """root/rel, refusing anything that would land outside root."""
+    if os.path.isabs(rel) or ".." in Path(rel).parts:
+        raise RunbookError(f"destination {rel!r} is outside REMOTE_ROOT {root}", "sync-refused")
+    dest = os.path.normpath(os.path.join(root, rel))
+    if not dest.startswith(root.rstrip("/") + "/"):
+        raise RunbookError(f"destination {dest!r} is outside REMOTE_ROOT {root}", "sync-refused")
+    return dest
+
+
+def model_rel(model: str) -> str | None:
+    """The model's path relative to the repo, or None when it is not a local folder here
+    (a Hugging Face id: each host resolves it from its own cache). A local model outside the
+    repo is refused: it would land outside REMOTE_ROOT."""
+    if not model:
+        return None
+    p = Path(model)
+    full = p if p.is_absolute() else paths.ROOT / p
+    if not full.exists():
+        if p.is_absolute() or model.startswith("."):
+            raise RunbookError(f"MODEL {model} does not exist here", "sync-model")
+        return None  # a hub id such as mlx-community/gemma-4-e2b-it-4bit
+    try:
+        return full.resolve().relative_to(paths.ROOT).as_posix()
+    except ValueError:
+        raise RunbookError(
+            f"MODEL {model} is outside the repo, so it would land outside REMOTE_ROOT; "
+            "move or link it under models/",
+            "sync-model",
+        ) from None
+
+
+def load_manifest(dataset: str) -> tuple[dict[str, str], list[str]]:
+    """Expected sha256 of every dataset file from the local manifest, plus the manifest
+    itself; verifies the local copy first (a local mismatch is never pushed)."""
+    ddir = paths.DATASETS / dataset
+    mpath = ddir / "manifest.json"
+    if not mpath.is_file():
+        raise RunbookError(f"{paths.rel(mpath)} missing: export the dataset first (make export DATASET={dataset})",
+                           "export")
+    manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise RunbookError(f"{paths.rel(mpath)} has no 'files' table; re-run make export", "export")
+    expected = {}
+    for name, meta in sorted(files.items()):
+        rel = f"datasets/{dataset}/{name}"
+        want = meta["sha256"]
+        got = sha256_file(paths.ROOT / rel) if (paths.ROOT / rel).is_file() else "MISSING"
+        if got != want:
+            raise RunbookError(f"local {rel} does not match its manifest ({got[:12]} != {want[:12]}); "
+                               "re-run make export", "export")
+        expected[rel] = want
+    expected[f"datasets/{dataset}/manifest.json"] = sha256_file(mpath)
+    return expected, sorted(files)
+
+
+class ModelHashes:
+    """The model's file hashes, computed once and only if some host receives the model
+    (a real model is gigabytes; hashing it on every no-op sync would dominate)."""
+
+    def __init__(self, files: list[str]):
+        self.files = files
+        self._lock = threading.Lock()
+        self._hashes: dict[str, str] | None = None
+
+    def get(self) -> dict[str, str]:
+        with self._lock:
+            if self._hashes is None:
+                self._hashes = {f: sha256_file(paths.ROOT / f) for f in self.files}
+            return self._hashes
+
+
+def probe(host: str, local: bool, root: str, hash_files: list[str], exist_files: list[str]) -> dict:
+    argv = ["sh", "-c", PROBE_SH, "sh", root, "--hash", *hash_files, "--exists", *exist_files]
+    r = run_on(host, argv, timeout=PROBE_TIMEOUT, local=local)
+    if not r.ok:
+        raise RunbookError(f"{host}: probe failed (exit {r.returncode}): {r.stderr.strip()[:400]}", "sync-ssh")
+    out = {"home": "", "noroot": False, "hash": {}, "missing": set(), "exists": set()}
+    for line in r.stdout.splitlines():
+        if line.startswith("HOME "):
+            out["home"] = line[5:].strip()
+        elif line == "NOROOT":
+            out["noroot"] = True
+        elif line.startswith("MISSING  "):
+            out["missing"].add(line[9:])
+        elif line.startswith("EXISTS  "):
+            out["exists"].add(line[8:])
+        elif re.match(r"^[0-9a-f]{64}  ", line):
+            out["hash"][line[66:]] = line[:64]
+    return out
+
+
+def rsync(args: list[str], dry_run: bool, bwlimit: int) -> tuple[int, list[str], str]:
+    """Run rsync with the unattended ssh; returns (bytes sent, itemized changes, stderr)."""
+    argv = ["rsync", "-a", "--itemize-changes", "--stats", "-e", rsh()]
+    if dry_run:
+        argv.append("--dry-run")
+    if bwlimit:
+        argv.append(f"--bwlimit={bwlimit}")
+    argv += args
+    p = subprocess.run(argv, cwd=paths.ROOT, capture_output=True, text=True, timeout=RSYNC_TIMEOUT,
+                       stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        raise RunbookError(f"rsync exited {p.returncode}: {p.stderr.strip()[:600]}", "sync-ssh")
+    sent = 0
+    m = re.search(r"Total bytes sent: ([\d,.]+)", p.stdout)
+    if m:
+        sent = int(re.sub(r"[,.]", "", m.group(1)))
+    changes = [ln for ln in p.stdout.splitlines() if re.match(r"^[<>ch.*][fdLDS*]", ln) and not ln.startswith(".d")]
+    return sent, changes, p.stderr
+
+
+def sync_host(host: str, args, plan: dict) -> dict:
+    """Probe, transfer what differs, swap, verify. Returns this host's report."""
+    root = plan["root"]
+    local = is_local(host)
+    rec: dict = {"host": host, "transferred_bytes": 0, "changes": [], "actions": [], "verified": False}
+    t0 = time.monotonic()
+    if local and Path(root) == paths.ROOT:
+        # The embedded default: the destination is this repo. Nothing to copy; verify it.
+        bad = {f: h for f, h in plan["expected"].items() if sha256_file(paths.ROOT / f) != h}
+        rec.update(actions=["none: destination is the source"], verified=not bad,
+                   mismatches=sorted(bad), wall_s=round(time.monotonic() - t0, 3))
+        return rec
+
+    dest = root if local else f"{host}:{root}"
+    hash_files = sorted(plan["code"]) + sorted(plan["expected"])
+    before = probe(host, local, root, hash_files, plan["model_files"])
+    if before["home"] and os.path.normpath(before["home"]) == root:
+        raise RunbookError(f"{host}: REMOTE_ROOT {root} is that host's home directory itself", "sync-refused")
+
+    code_diff = [f for f, h in plan["code"].items() if before["hash"].get(f) != h]
+    data_diff = [f for f, h in plan["expected"].items() if before["hash"].get(f) != h]
+    model_missing = [f for f in plan["model_files"] if f in before["missing"]] if plan["model_rel"] else []
+    do_model = bool(plan["model_rel"]) and (args.sync_model or bool(model_missing) or before["noroot"])
+    rec["before"] = {"code_differs": code_diff, "dataset_differs": data_diff, "model_missing": model_missing}
+
+    if (code_diff or data_diff or do_model) and not args.dry_run:
+        mk = run_on(host, ["mkdir", "-p", "--", root, inside(root, "datasets")], local=local, timeout=PROBE_TIMEOUT)
+        if not mk.ok:
+            raise RunbookError(f"{host}: cannot create {root}: {mk.stderr.strip()}", "sync-ssh")
+
+    if code_diff:
+        sent, changes, _ = rsync(["--checksum", "-R", "--exclude=__pycache__", "--exclude=*.pyc",
+                                  "--exclude=.*", *CODE, f"{dest}/"], args.dry_run, args.bwlimit)
+        rec["transferred_bytes"] += sent
+        rec["changes"] += [f"code {c}" for c in changes]
+        rec["actions"].append("code")
+
+    if data_diff:
+        name = args.dataset
+        parent = inside(root, "datasets")
+        final = inside(root, f"datasets/{name}")
+        staging = f".{name}.incoming"
+        aside = f".{name}.previous"
+        src = f"datasets/{name}/"
+        if args.dry_run:
+            target = f"{dest}/datasets/{name}/"
+            sent, changes, _ = rsync(["--checksum", "--delete", f"--max-delete={args.max_delete}", src, target],
+                                     True, args.bwlimit)
+        else:
+            target = f"{host + ':' if not local else ''}{parent}/{staging}/"
+            sent, changes, _ = rsync(["--checksum", "--delete", f"--max-delete={args.max_delete}",
+                                      f"--link-dest={final}", src, target], False, args.bwlimit)
+            sw = run_on(host, ["sh", "-c", SWAP_SH, "sh", parent, name, staging, aside],
+                        local=local, timeout=PROBE_TIMEOUT)
+            if not sw.ok:
+                raise RunbookError(f"{host}: could not swap {staging} into {final}: {sw.stderr.strip()}", "sync-ssh")
+        rec["transferred_bytes"] += sent
+        rec["changes"] += [f"dataset {c}" for c in changes]
+        rec["actions"].append("dataset")
+
+    if do_model:
+        mrel = plan["model_rel"]
+        target = f"{dest}/{mrel}/"
+        inside(root, mrel)
+        if not args.dry_run:
+            run_on(host, ["mkdir", "-p", "--", inside(root, mrel)], local=local, timeout=PROBE_TIMEOUT)
+        sent, changes, _ = rsync(["--delay-updates", f"{mrel}/", target], args.dry_run, args.bwlimit)
+        rec["transferred_bytes"] += sent
+        rec["changes"] += [f"model {c}" for c in changes]
+        rec["actions"].append("model")
+
+    if args.dry_run:
+        rec["verified"] = None
+        rec["wall_s"] = round(time.monotonic() - t0, 3)
+        return rec
+
+    # Verify: hash again unless nothing was touched (then the first probe is the verification).
+    after = before
+    if rec["actions"]:
+        vhash = hash_files + (sorted(plan["model_files"]) if do_model else [])
+        after = probe(host, local, root, vhash, plan["model_files"])
+    want = dict(plan["code"], **plan["expected"], **(plan["model_hashes"].get() if do_model else {}))
+    bad = sorted(f for f, h in want.items() if after["hash"].get(f) != h)
+    missing_model = sorted(f for f in plan["model_files"] if f in after["missing"]) if plan["model_rel"] else []
+    rec.update(verified=not bad and not missing_model, mismatches=bad + missing_model,
+               wall_s=round(time.monotonic() - t0, 3))
+    return rec
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    t0 = time.time()
+    try:
+        root = refuse_dangerous(args.remote_root)
+        if not NAME_RE.match(args.dataset):
+            raise RunbookError(f"DATASET {args.dataset!r} is not a plain folder name", "sync-refused")
+        hf: Hostfile = load_hostfile(args.hostfile)
+        expected, _ = load_manifest(args.dataset)
+        code = {f: sha256_file(paths.ROOT / f) for f in iter_files(paths.ROOT, CODE)}
+        mrel = model_rel(args.model)
+        model_files = [f for f in iter_files(paths.ROOT, [mrel])] if mrel else []
+        for f in list(code) + list(expected) + model_files:
+            inside(root, f)
+        if args.run:
+            paths.check_run_id(args.run)
+    except RunbookError as e:
+        return die(e, 2)
+
+    plan = {"root": root, "code": code, "expected": expected, "model_rel": mrel,
+            "model_files": model_files, "model_hashes": ModelHashes(model_files)}
+    hosts = hf.unique_ssh()
+
+    results: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+
+    def one(h: str) -> None:
+        try:
+            results[h] = sync_host(h, args, plan)
+        except RunbookError as e:
+            errors[h] = str(e)
+        except subprocess.TimeoutExpired as e:
+            errors[h] = f"{h}: timed out: {e}"
+
+    with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+        list(pool.map(one, hosts))
+
+    code_rc = 0
+    for h in hosts:
+        if h in errors:
+            event("sync", host=h, status="error")
+            print(f"error: {errors[h]}", file=sys.stderr)
+            code_rc = 1
+            continue
+        r = results[h]
+        for c in r["changes"]:
+            print(f"  {h}: {'would ' if args.dry_run else ''}{c}")
+        status = "dry-run" if args.dry_run else ("verified" if r["verified"] else "MISMATCH")
+        event("sync", host=h, status=status, actions="+".join(r["actions"]) or "none",
+              bytes=r["transferred_bytes"], wall_s=r["wall_s"])
+        if r["verified"] is False:
+            for f in r["mismatches"]:
+                print(f"error: {h}: {f} does not match the local copy after sync; "
+                      f"check the host's disk (df -h {root}) and re-run make sync; "
+                      "see RUNBOOK.md#sync-verify", file=sys.stderr)
+            code_rc = 1
+
+    report = {
+        "hostfile": args.hostfile,
+        "remote_root": root,
+        "dataset": args.dataset,
+        "model": args.model,
+        "dry_run": args.dry_run,
+        "hosts": [results.get(h, {"host": h, "error": errors.get(h)}) for h in hosts],
+        "ok": code_rc == 0,
+        "wall_s": round(time.time() - t0, 3),
+        "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if args.run and not args.dry_run:
+        atomic.write_json(paths.run_dir(args.run) / "sync.json", report)
+    event("sync-summary", hosts=len(hosts), ok=code_rc == 0, wall_s=report["wall_s"])
+    return code_rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
