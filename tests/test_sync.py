@@ -1,0 +1,153 @@
+"""sync: safety refusals, verified no-op on the embedded default, incremental transfer,
+repair of a flipped byte, dry run, and an interrupted transfer that leaves the old copy."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import PY, ROOT, run
+
+from lib import atomic
+from lib.hashing import digest_of, sha256_file
+
+
+def make_dataset(name: str, records: int = 200, pad: int = 0) -> Path:
+    """A small dataset folder with an exporter-shaped manifest (files: name -> sha256, bytes)."""
+    d = ROOT / "datasets" / name
+    d.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", records), ("valid", max(1, records // 20)), ("test", max(1, records // 20))):
+        with open(d / f"{split}.jsonl", "w") as f:
+            for i in range(n):
+                msg = {"messages": [{"role": "user", "content": f"q{i} " + "x" * pad},
+                                    {"role": "assistant", "content": f"a{i}"}], "record_id": f"{split}-{i}"}
+                f.write(json.dumps(msg) + "\n")
+    (d / "rejects.jsonl").write_text("")
+    files = {n: {"sha256": sha256_file(d / n), "bytes": (d / n).stat().st_size}
+             for n in ("train.jsonl", "valid.jsonl", "test.jsonl", "rejects.jsonl")}
+    atomic.write_json(d / "manifest.json", {"files": files, "dataset_sha256": digest_of(
+        {n: files[n]["sha256"] for n in ("train.jsonl", "valid.jsonl", "test.jsonl")})})
+    return d
+
+
+@pytest.fixture
+def dataset(request):
+    name = f"synctest-{request.node.name[:40]}".replace("[", "-").replace("]", "")
+    d = make_dataset(name)
+    yield name
+    subprocess.run(["rm", "-rf", str(d)])
+
+
+def sync(*extra, check=False, env=None, remote_root=None, dataset="x", hostfile="hostfile.local.json"):
+    cmd = [PY, "bin/sync.py", "--hostfile", hostfile, "--remote-root", str(remote_root or ROOT),
+           "--dataset", dataset, *extra]
+    return run(cmd, check=check, env=env)
+
+
+@pytest.fixture
+def rsync_spy(tmp_path):
+    """An rsync first on PATH that only records that it ran: proves a refusal came first."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    marker = tmp_path / "rsync-ran"
+    (bindir / "rsync").write_text(f"#!/bin/sh\ntouch {marker}\nexit 1\n")
+    (bindir / "rsync").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}")
+    return env, marker
+
+
+@pytest.mark.parametrize("root", ["/", "/root", "/home/op", "/Users/op", "/Users/op/", "relative/dir",
+                                  "/srv/../etc", "/srv/a b", "/srv/$(id)"])
+def test_dangerous_destinations_refused_before_rsync(root, dataset, rsync_spy):
+    env, marker = rsync_spy
+    p = sync(remote_root=root, dataset=dataset, env=env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "refused" in p.stderr and "RUNBOOK.md#" in p.stderr
+    assert not marker.exists(), "rsync ran although the destination was refused"
+
+
+def test_dataset_name_outside_datasets_refused(rsync_spy, tmp_path):
+    env, marker = rsync_spy
+    p = sync(remote_root=tmp_path / "dst", dataset="../lib", env=env)
+    assert p.returncode == 2 and "not a plain folder name" in p.stderr
+    assert not marker.exists()
+
+
+def test_embedded_default_is_a_verified_noop(dataset):
+    p = sync("--run", "synctest-noop", dataset=dataset, check=True)
+    assert "status verified actions none: destination is the source bytes 0" in p.stdout
+    report = json.loads((ROOT / "runs/synctest-noop/sync.json").read_text())
+    assert report["ok"] and report["hosts"][0]["verified"] is True
+    subprocess.run(["rm", "-rf", str(ROOT / "runs/synctest-noop")])
+
+
+def test_incremental_repair_and_dry_run(dataset, tmp_path):
+    dst = tmp_path / "remote"
+    p = sync(remote_root=dst, dataset=dataset, check=True)
+    assert "status verified actions code+dataset" in p.stdout
+    target = dst / "datasets" / dataset / "train.jsonl"
+    assert sha256_file(target) == sha256_file(ROOT / "datasets" / dataset / "train.jsonl")
+    # Nothing changed: nothing transferred.
+    p = sync(remote_root=dst, dataset=dataset, check=True)
+    assert "actions none bytes 0" in p.stdout
+    # Flip one byte, keep size and mtime (rsync's quick check would miss it): sync repairs it.
+    st = target.stat()
+    data = bytearray(target.read_bytes())
+    data[10] ^= 0x01
+    target.write_bytes(bytes(data))
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # Dry run: says what it would do, changes nothing.
+    p = sync("--dry-run", remote_root=dst, dataset=dataset, check=True)
+    assert "would dataset" in p.stdout and "train.jsonl" in p.stdout
+    assert target.read_bytes() == bytes(data)
+    p = sync(remote_root=dst, dataset=dataset, check=True)
+    assert re.search(r"status verified actions (code\+)?dataset", p.stdout)
+    assert sha256_file(target) == sha256_file(ROOT / "datasets" / dataset / "train.jsonl")
+    # No staging or aside folder is left behind.
+    assert sorted(x.name for x in (dst / "datasets").iterdir()) == [dataset]
+
+
+def test_stale_file_in_dataset_folder_is_deleted_only_there(dataset, tmp_path):
+    dst = tmp_path / "remote"
+    sync(remote_root=dst, dataset=dataset, check=True)
+    (dst / "datasets" / dataset / "stale.jsonl").write_text("old\n")
+    (dst / "lib" / "extra_local_file.txt").write_text("keep me\n")
+    # Force a dataset transfer by changing a split on the remote side.
+    (dst / "datasets" / dataset / "valid.jsonl").write_text("changed\n")
+    sync(remote_root=dst, dataset=dataset, check=True)
+    assert not (dst / "datasets" / dataset / "stale.jsonl").exists()
+    assert (dst / "lib" / "extra_local_file.txt").read_text() == "keep me\n"
+
+
+def test_interrupted_sync_keeps_previous_good_copy(tmp_path, request):
+    name = "synctest-interrupt"
+    make_dataset(name, records=200)
+    request.addfinalizer(lambda: subprocess.run(["rm", "-rf", str(ROOT / "datasets" / name)]))
+    dst = tmp_path / "remote"
+    sync(remote_root=dst, dataset=name, check=True)
+    before = {f.name: sha256_file(f) for f in (dst / "datasets" / name).iterdir()}
+    # A new, bigger dataset; transfer it at 200 KiB/s so the kill lands mid-transfer.
+    make_dataset(name, records=4000, pad=200)
+    p = subprocess.Popen([PY, "bin/sync.py", "--hostfile", "hostfile.local.json", "--remote-root", str(dst),
+                          "--dataset", name, "--bwlimit", "200"], cwd=ROOT, start_new_session=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    staging = dst / "datasets" / f".{name}.incoming"
+    deadline = time.time() + 20
+    while time.time() < deadline and not staging.exists():
+        time.sleep(0.05)
+    assert staging.exists(), "the transfer never started"
+    time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    after = {f.name: sha256_file(f) for f in (dst / "datasets" / name).iterdir()}
+    assert after == before, "the host's dataset changed although the sync was killed mid-transfer"
+    # The next sync completes and verifies.
+    out = sync(remote_root=dst, dataset=name, check=True)
+    assert "status verified" in out.stdout
+    assert sha256_file(dst / "datasets" / name / "train.jsonl") == sha256_file(ROOT / "datasets" / name / "train.jsonl")
