@@ -19,7 +19,8 @@ CONFIG      ?= configs/stage1.yaml
 REMOTE_ROOT ?= $(CURDIR)
 PYTHON      ?= $(REMOTE_ROOT)/.venv/bin/python
 ARCH        ?= gemma4
-SEED        ?= 0
+SEED        ?=
+TINY_SEED   ?= 0
 HOSTS       ?= 2
 JSON        ?=
 DEEP        ?=
@@ -27,6 +28,10 @@ DRY_RUN     ?=
 SYNC_MODEL  ?=
 RESUME      ?=
 PYTEST_ARGS ?=
+CONTROL_HOST ?=
+WATCHDOG    ?=
+PORT        ?=
+SMOKE_CONFIG ?= configs/smoke.yaml
 # The interpreter that builds .venv: the first Python >= 3.11 found, unless given.
 BOOTSTRAP_PYTHON ?=
 
@@ -42,7 +47,7 @@ LOCK   := requirements.lock
 help:
 	@echo "thunder-runbook: make <target> [VAR=value ...]"
 	@echo
-	@sed -n 's/^## \([^:]*\): \(.*\)/  \1|\2/p' $(MAKEFILE_LIST) | awk -F'|' '{printf "  %-16s %s\n", $$1, $$2}'
+	@sed -n 's/^## \([^:]*\): \(.*\)/\1@@\2/p' $(MAKEFILE_LIST) | awk -F'@@' '{printf "  %-16s %s\n", $$1, $$2}'
 	@echo
 	@echo "Variables: RUN=$(RUN) HOSTFILE=$(HOSTFILE) DATASET=$(DATASET) MODEL=$(MODEL)"
 	@echo "           CONFIG=$(CONFIG) CORPUS=$(CORPUS) REMOTE_ROOT=$(REMOTE_ROOT) PYTHON=$(PYTHON)"
@@ -72,8 +77,8 @@ $(STAMPS):
 .PHONY: tiny-model
 tiny-model: models/tiny-$(ARCH)/config.json
 
-models/tiny-$(ARCH)/config.json: bin/make_tiny_model.py $(LIB) $(VENV)/.stamp
-	$(PY) bin/make_tiny_model.py --arch $(ARCH) --seed $(SEED) --out models/tiny-$(ARCH)
+models/tiny-%/config.json: bin/make_tiny_model.py $(LIB) $(VENV)/.stamp
+	$(PY) bin/make_tiny_model.py --arch $* --seed $(TINY_SEED) --out models/tiny-$*
 
 ## sample-corpus: write datasets/sample/corpus.jsonl from CPython's pydoc_data.topics
 .PHONY: sample-corpus
@@ -101,20 +106,43 @@ sync: datasets/$(DATASET)/manifest.json $(VENV)/.stamp | $(STAMPS)
 	$(PY) bin/sync.py --hostfile $(HOSTFILE) --remote-root $(REMOTE_ROOT) --dataset $(DATASET) --model $(MODEL) --run $(RUN)$(if $(SYNC_MODEL), --sync-model)$(if $(DRY_RUN), --dry-run)
 	$(if $(DRY_RUN),: dry run: no stamp,touch $(STAMPS)/sync.$(RUN))
 
-## smoke: check-parity, then a tiny run through mlx.launch with a checkpoint and a resume
+# What smoke, train and control share: the launch flags, and the sync and parity
+# commands they re-run before every launch (host state changes behind make's back).
+MODEL_DEP   := $(if $(filter models/tiny-%,$(MODEL)),$(MODEL)/config.json)
+CODE        := $(wildcard bin/*.py) $(LIB) $(wildcard configs/*.yaml) $(LOCK)
+LAUNCH_ARGS  = --run $(RUN) --hostfile $(HOSTFILE) --model $(MODEL) --dataset $(DATASET) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(SEED), --seed $(SEED))$(if $(WATCHDOG), --watchdog $(WATCHDOG))$(if $(PORT), --port $(PORT))
+SYNC_CMD     = $(PY) bin/sync.py --hostfile $(HOSTFILE) --remote-root $(REMOTE_ROOT) --dataset $(DATASET) --model $(MODEL) --run $(RUN)$(if $(SYNC_MODEL), --sync-model)
+PARITY_CMD   = $(PY) bin/check_parity.py --hostfile $(HOSTFILE) --python $(PYTHON) --remote-root $(REMOTE_ROOT) --model $(MODEL) --dataset $(DATASET)
+
+define smoke_recipe
+	$(SYNC_CMD)
+	$(PARITY_CMD)
+	$(PY) bin/smoke.py --config $(SMOKE_CONFIG) $(LAUNCH_ARGS)
+	touch $(STAMPS)/smoke.$(RUN)
+endef
+
+## smoke: sync + check-parity, then a tiny run through mlx.launch: checkpoint, resume, criteria
 .PHONY: smoke
-smoke:
-	@echo "smoke: not implemented yet (issue #7)" >&2; exit 2
+smoke: datasets/$(DATASET)/manifest.json $(MODEL_DEP) $(VENV)/.stamp | $(STAMPS)
+	$(smoke_recipe)
 
-## train: the real run (CONFIG), periodic checkpoints, RESUME=1 to continue
+$(STAMPS)/smoke.$(RUN): datasets/$(DATASET)/manifest.json $(MODEL_DEP) $(CODE) $(SMOKE_CONFIG) $(HOSTFILE) $(VENV)/.stamp | $(STAMPS)
+	$(smoke_recipe)
+
+## train: the real run (CONFIG) after a passing smoke; RESUME=1 continues from the latest good checkpoint
 .PHONY: train
-train:
-	@echo "train: not implemented yet (issue #7)" >&2; exit 2
+train: $(STAMPS)/smoke.$(RUN) $(CONFIG) | $(STAMPS)
+	$(SYNC_CMD)
+	$(PARITY_CMD)
+	$(PY) bin/run.py --stage train --config $(CONFIG) $(LAUNCH_ARGS)$(if $(RESUME), --resume)
+	touch $(STAMPS)/train.$(RUN)
 
-## control: the single-host control run on the same data, seed and global batch
+## control: the single-host control (CONTROL_HOST, default rank 0's) on the same data, seed and global batch
 .PHONY: control
-control:
-	@echo "control: not implemented yet (issue #8)" >&2; exit 2
+control: datasets/$(DATASET)/manifest.json $(MODEL_DEP) $(CONFIG) $(VENV)/.stamp | $(STAMPS)
+	$(SYNC_CMD)
+	$(PY) bin/run.py --stage control --config $(CONFIG) $(LAUNCH_ARGS)$(if $(CONTROL_HOST), --control-host $(CONTROL_HOST))
+	touch $(STAMPS)/control.$(RUN)
 
 ## compare: dual vs control on the test split; writes runs/$(RUN)/compare/report.md
 .PHONY: compare
