@@ -37,7 +37,9 @@ DEFAULT_WATCHDOG_S = 300.0
 def trainer_pattern(run_rel: str) -> str:
     """The pkill -f pattern that matches the rank processes writing to run_rel (e.g.
     runs/stage1 or runs/stage1/smoke) and nothing else."""
-    return r"bin/train\.py .*--run-dir " + re.escape(run_rel) + r"( |$)"
+    # POSIX ERE (pkill on Linux and macOS): run ids hold only [A-Za-z0-9._-], so '.' is the
+    # one character to escape.
+    return r"bin/train\.py .*--run-dir " + run_rel.replace(".", r"\.") + r"( |$)"
 
 
 def git_info() -> dict:
@@ -122,7 +124,9 @@ def write_reproduce(run_dir: Path, stage: str, make_cmd: list[str], launch_cmds:
     sections[stage] = "\n".join(body)
     head = ["#!/usr/bin/env bash", "# Reproduce this run: copy a stage's make line, or run this file from the repo root.",
             "set -euo pipefail", 'cd "$(dirname "$0")/../.."']
-    text = "\n".join(head) + "\n\n" + "\n\n".join(sections[k] for k in sorted(sections)) + "\n"
+    order = ["export", "sync", "smoke", "train", "control", "compare"]
+    keys = sorted(sections, key=lambda k: (order.index(k) if k in order else len(order), k))
+    text = "\n".join(head) + "\n\n" + "\n\n".join(sections[k] for k in keys) + "\n"
     atomic.write_text(path, text)
     path.chmod(0o755)
 

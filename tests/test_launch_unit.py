@@ -1,0 +1,74 @@
+"""The orchestrator's pure parts: failure categories, the pkill pattern, reproduce.sh."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from lib import launch
+from lib.hostfile import parse
+
+
+def res(rc=0, watchdog=False):
+    return launch.LaunchResult(returncode=rc, wall_s=1.0, watchdog_fired=watchdog, steps=[1, 2])
+
+
+def test_categories():
+    ok = {"joined": {0: {}, 1: {}}, "failures": {}}
+    assert launch.categorize(res(0), ok, 2) == (None, "")
+    cat, why = launch.categorize(res(1), {"joined": {0: {}}, "failures": {}}, 2)
+    assert cat == "runtime parity" and "[1]" in why
+    cat, _ = launch.categorize(res(1), {"joined": {}, "failures": {}}, 2)
+    assert cat == "runtime parity"
+    nan = {"joined": {0: {}, 1: {}}, "failures": {0: {"category": "learning rate or quantized LoRA stability",
+                                                        "message": "loss nan at step 3"}}}
+    assert launch.categorize(res(1), nan, 2)[0] == "learning rate or quantized LoRA stability"
+    data = {"joined": {0: {}}, "failures": {1: {"category": "export format or path consistency", "message": "x"}}}
+    assert launch.categorize(res(1), data, 2)[0] == "export format or path consistency"
+    assert launch.categorize(res(-15, watchdog=True), ok, 2)[0] == "hang / link partition"
+    assert launch.categorize(res(137), ok, 2)[0] == "hang / link partition"
+
+
+def test_trainer_pattern_matches_only_this_run():
+    pat = launch.trainer_pattern("runs/stage1.a")
+    line = "/x/.venv/bin/python bin/train.py --config c --run-dir runs/stage1.a --seed 0"
+    assert re.search(pat, line)
+    assert re.search(pat, "python bin/train.py --run-dir runs/stage1.a")
+    for other in ("python bin/train.py --run-dir runs/stage1.a/smoke", "python bin/train.py --run-dir runs/stage1xa",
+                  "python bin/train.py --run-dir runs/stage1.ab", "sh -c pkill " + pat):
+        assert not re.search(pat, other), other
+    # pkill's own regex engine (POSIX ERE) agrees.
+    p = subprocess.run(["grep", "-E", "-c", pat], input=line + "\n" + "bin/train.py --run-dir runs/stage1.ab\n",
+                       capture_output=True, text=True)
+    assert p.stdout.strip() == "1"
+
+
+def test_launch_argv_lists_not_strings():
+    hf = parse({"backend": "ring", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]})
+    argv = launch.launch_argv("h.json", hf, "/r/.venv/bin/python", "/r", ["--run-dir", "runs/x"], 40000)
+    assert argv[0].endswith("mlx.launch") and argv[argv.index("--python") + 1] == "/r/.venv/bin/python"
+    assert argv[argv.index("--") + 1] == "bin/train.py" and "--starting-port" in argv
+    one = parse({"hosts": [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]})
+    argv = launch.launch_argv("h.json", one, "/r/py", "/r", ["--run-dir", "runs/x"])
+    assert argv[:2] == ["sh", "-c"] and "mlx.launch" not in " ".join(argv)
+    remote = parse({"hosts": [{"ssh": "mac4", "ips": ["10.0.5.4"]}]})
+    argv = launch.launch_argv("h.json", remote, "/r/py", "/r", ["--run-dir", "runs/x"])
+    assert argv[0] == "ssh" and "BatchMode=yes" in argv and argv[argv.index("--") + 1] == "mac4"
+
+
+def test_reproduce_keeps_each_stage(tmp_path):
+    launch.write_reproduce(tmp_path, "smoke", ["make", "smoke", "RUN=r"], [["mlx.launch", "--", "bin/train.py"]])
+    launch.write_reproduce(tmp_path, "train", ["make", "train", "RUN=r", "CONFIG=a b"], [["x"]])
+    launch.write_reproduce(tmp_path, "smoke", ["make", "smoke", "RUN=r2"], [["y"]])
+    text = (tmp_path / "reproduce.sh").read_text()
+    assert text.count("# --- stage: smoke") == 1 and "RUN=r2" in text and "'CONFIG=a b'" in text
+    assert "# --- stage: train" in text
+    assert subprocess.run(["bash", "-n", str(tmp_path / "reproduce.sh")]).returncode == 0
+
+
+def test_reproduce_runs_stages_in_pipeline_order(tmp_path):
+    for stage in ("train", "control", "smoke"):
+        launch.write_reproduce(tmp_path, stage, ["make", stage], [])
+    text = (tmp_path / "reproduce.sh").read_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith("make ")]
+    assert lines == ["make smoke", "make train", "make control"]
