@@ -1,0 +1,463 @@
+#!/usr/bin/env python3
+"""tiny-model: a randomly initialized model that mlx-lm loads, for tests and the demo.
+
+Usage:
+    python bin/make_tiny_model.py --arch gemma4|llama --seed N --out DIR
+                                  [--vocab-size N] [--dtype float32|bfloat16|float16] [--force]
+
+Example:
+    .venv/bin/python bin/make_tiny_model.py --arch gemma4 --seed 0 --out models/tiny-gemma4
+
+What it writes into DIR (the Hugging Face layout `mlx_lm.utils.load` and
+`mlx_lm lora --model DIR` read, no network needed):
+    config.json            the architecture (mlx-lm's `gemma4_text` or `llama`) at tiny sizes,
+                           plus a `thunder_runbook` block naming the generator, arch and seed
+    model.safetensors      random weights: every Linear and Embedding ~ N(0, 0.02^2), drawn
+                           by numpy from a stream seeded by (seed, sha256 of the tensor name);
+                           norms and scalars keep their initial ones
+    tokenizer.json         byte-level BPE trained here with `tokenizers` on CPython's
+                           `pydoc_data.topics` (the sample corpus's source), with the
+                           family's special tokens: Gemma 4 `<bos> <eos> <pad> <unk>` and the
+                           turn markers `<|turn>` `<turn|>`; Llama 3 `<|begin_of_text|>`,
+                           `<|eot_id|>`, `<|start_header_id|>`, `<|end_header_id|>` ...
+    tokenizer_config.json  special tokens and a chat template in the family's own turn format
+                           (system, user, assistant roles; add_generation_prompt)
+    special_tokens_map.json
+    provenance.json        how it was made: generator version, arch, seed, dtype, parameter
+                           count, the CPython whose topics trained the tokenizer (and their
+                           sha256), package versions, and the sha256 of every other file
+
+The gemma4 model keeps what makes Gemma 4 E2B distinctive, at toy sizes: sliding and full
+attention layers (different head sizes, proportional RoPE on full layers), KV-shared
+layers with double-wide MLPs, per-layer input embeddings, logit soft-capping, tied embeddings.
+
+Deterministic: the same seed, CPython and package versions give byte-identical files
+(tokenizer training runs single-threaded, JSON keys are sorted, safetensors metadata is
+fixed, no timestamps). The tokenizer depends on the CPython version's pydoc topics.
+Before the new folder replaces DIR it is loaded back with mlx-lm and checked (finite
+logits, tokenizer round trip, the chat template's prompt is a prefix of the full
+conversation); DIR is replaced atomically, and only when it is a model this script made
+(or with --force).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before `tokenizers` is imported: single-threaded training is what makes it reproducible.
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from importlib.metadata import version as pkg_version  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lib import atomic, paths  # noqa: E402
+from lib.hashing import sha256_file  # noqa: E402
+from lib.log import RunbookError, die, event  # noqa: E402
+
+GENERATOR = "bin/make_tiny_model.py"
+VERSION = 1
+ANCHOR = "generated-inputs"
+INIT_STD = 0.02
+MAX_POSITIONS = 4096
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Each family's special tokens, in id order (ids 0..n-1), and its turn format.
+FAMILIES = {
+    "gemma4": {
+        "specials": ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"],
+        "bos": "<bos>",
+        "eos": "<eos>",
+        "pad": "<pad>",
+        "unk": "<unk>",
+        "turn_markers": ["<|turn>", "<turn|>"],
+        "stop": ["<eos>", "<turn|>"],  # config.json eos_token_id: generation stops at either
+        # Gemma 4's format: <bos><|turn>system\n...<turn|>\n<|turn>user\n...<turn|>\n<|turn>model\n
+        "chat_template": (
+            "{{- bos_token -}}\n"
+            "{%- for message in messages -%}\n"
+            "  {%- if message['role'] == 'system' and not loop.first -%}\n"
+            "    {{- raise_exception('a system message must come first') -}}\n"
+            "  {%- endif -%}\n"
+            "  {%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}\n"
+            "  {%- elif message['role'] in ['system', 'user'] -%}{%- set role = message['role'] -%}\n"
+            "  {%- else -%}{{- raise_exception('unknown role: ' + message['role']) -}}\n"
+            "  {%- endif -%}\n"
+            "  {%- if message['content'] is string -%}{%- set content = message['content'] -%}\n"
+            "  {%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
+            " | map(attribute='text') | join('\\n') -%}\n"
+            "  {%- endif -%}\n"
+            "  {{- '<|turn>' + role + '\\n' + content | trim + '<turn|>\\n' -}}\n"
+            "{%- endfor -%}\n"
+            "{%- if add_generation_prompt -%}{{- '<|turn>model\\n' -}}{%- endif -%}\n"
+        ),
+    },
+    "llama": {
+        "specials": [
+            "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+            "<|eot_id|>", "<|finetune_right_pad_id|>",
+        ],
+        "bos": "<|begin_of_text|>",
+        "eos": "<|eot_id|>",
+        "pad": "<|finetune_right_pad_id|>",
+        "unk": None,
+        "turn_markers": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "stop": ["<|end_of_text|>", "<|eot_id|>"],
+        # Llama 3's format: <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n...<|eot_id|>
+        "chat_template": (
+            "{{- bos_token -}}\n"
+            "{%- for message in messages -%}\n"
+            "  {%- if message['role'] == 'system' and not loop.first -%}\n"
+            "    {{- raise_exception('a system message must come first') -}}\n"
+            "  {%- endif -%}\n"
+            "  {%- if message['role'] not in ['system', 'user', 'assistant'] -%}\n"
+            "    {{- raise_exception('unknown role: ' + message['role']) -}}\n"
+            "  {%- endif -%}\n"
+            "  {%- if message['content'] is string -%}{%- set content = message['content'] -%}\n"
+            "  {%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
+            " | map(attribute='text') | join('\\n') -%}\n"
+            "  {%- endif -%}\n"
+            "  {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+            " + content | trim + '<|eot_id|>' -}}\n"
+            "{%- endfor -%}\n"
+            "{%- if add_generation_prompt -%}\n"
+            "  {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}\n"
+            "{%- endif -%}\n"
+        ),
+    },
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Generate a tiny random model (gemma4_text or llama) with a local BPE tokenizer.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--arch", required=True, choices=sorted(FAMILIES))
+    p.add_argument("--seed", type=int, default=0, help="weight init seed (default 0)")
+    p.add_argument("--out", required=True, type=Path, help="model folder to (re)write")
+    p.add_argument("--vocab-size", type=int, default=3072, help="BPE vocabulary incl. specials (default 3072)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--force", action="store_true", help="replace --out even if this script did not make it")
+    return p
+
+
+def model_config(arch: str, tok: dict, vocab: int, dtype: str, seed: int) -> dict:
+    ids = tok["ids"]
+    fam = FAMILIES[arch]
+    common = {
+        "bos_token_id": ids[fam["bos"]],
+        "eos_token_id": [ids[t] for t in fam["stop"]],
+        "pad_token_id": ids[fam["pad"]],
+        "vocab_size": vocab,
+        "max_position_embeddings": MAX_POSITIONS,
+        "initializer_range": INIT_STD,
+        "torch_dtype": dtype,
+        "thunder_runbook": {
+            "generator": GENERATOR,
+            "generator_version": VERSION,
+            "arch": arch,
+            "seed": seed,
+            "note": "random weights for tests and the demo; not a trained model",
+        },
+    }
+    if arch == "gemma4":
+        return {
+            **common,
+            "architectures": ["Gemma4ForCausalLM"],
+            "model_type": "gemma4_text",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 6,
+            # 2 sliding : 1 full; the last layer is full attention, as in Gemma 4
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            "sliding_window": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            # the last 2 layers reuse the K/V of the last sliding and full layer before them
+            "num_kv_shared_layers": 2,
+            "use_double_wide_mlp": True,
+            "hidden_size_per_layer_input": 16,
+            "vocab_size_per_layer_input": vocab,
+            "rope_parameters": {
+                "full_attention": {
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 1000000.0,
+                    "rope_type": "proportional",
+                },
+                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+            },
+            "attention_k_eq_v": False,
+            "enable_moe_block": False,
+            "final_logit_softcapping": 30.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+        }
+    return {
+        **common,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    }
+
+
+def training_text() -> tuple[list[str], str]:
+    """The tokenizer's training text (pydoc topics, sorted) and its sha256."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as e:
+        raise RunbookError(
+            f"this Python ({sys.executable}) has no pydoc_data.topics ({e}); run with the "
+            "project's .venv/bin/python",
+            ANCHOR,
+        ) from e
+    texts = [topics[k] for k in sorted(topics)]
+    h = hashlib.sha256()
+    for k in sorted(topics):
+        h.update(k.encode() + b"\0" + topics[k].encode() + b"\0")
+    return texts, h.hexdigest()
+
+
+def train_tokenizer(arch: str, vocab_size: int, texts: list[str]) -> dict:
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    fam = FAMILIES[arch]
+    tok = Tokenizer(models.BPE())
+    # Llama 3's split: a newline run is one piece whether text follows it or not, so a chat
+    # template's generation prompt ("...\n\n") stays a token prefix of the full conversation.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[AddedToken(s, special=True, normalized=False) for s in fam["specials"]],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    ids = {s: tok.token_to_id(s) for s in fam["specials"]}
+    if [ids[s] for s in fam["specials"]] != list(range(len(fam["specials"]))):
+        raise RunbookError(f"special tokens did not get ids 0..n-1: {ids}", ANCHOR)
+    bos = fam["bos"]
+    # Plain encode() adds the BOS, as Gemma's and Llama 3's tokenizers do; chat templates
+    # write their own, and apply_chat_template encodes without special tokens.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, ids[bos])]
+    )
+    return {"json": tok.to_str(pretty=True), "ids": ids, "vocab": tok.get_vocab_size()}
+
+
+def tokenizer_files(arch: str, tok: dict) -> tuple[dict, dict]:
+    fam = FAMILIES[arch]
+    named = {"bos_token": fam["bos"], "eos_token": fam["eos"], "pad_token": fam["pad"]}
+    if fam["unk"]:
+        named["unk_token"] = fam["unk"]
+    extra = [s for s in fam["specials"] if s not in named.values()]
+    special_map = {**named, "additional_special_tokens": extra}
+    added = {
+        str(tok["ids"][s]): {
+            "content": s, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": True,
+        }
+        for s in fam["specials"]
+    }
+    config = {
+        **special_map,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "chat_template": fam["chat_template"],
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MAX_POSITIONS,
+        "padding_side": "right",
+    }
+    return config, special_map
+
+
+def init_weights(config: dict, seed: int, dtype: str) -> tuple[dict, int]:
+    """{name: mx.array} for every parameter of the mlx-lm model the config describes."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    random_init = {
+        f"{name}.weight"
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding))
+    }
+    weights = {}
+    for name, value in sorted(tree_flatten(model.parameters())):
+        if name in random_init:
+            key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+            rng = np.random.default_rng([seed, key])
+            arr = rng.standard_normal(value.shape, dtype=np.float32) * np.float32(INIT_STD)
+        else:
+            arr = np.array(value, dtype=np.float32)  # norms, layer scalars: keep the module's init
+        weights[name] = mx.array(arr).astype(getattr(mx, dtype))
+    count = sum(int(np.prod(v.shape)) for v in weights.values())
+    return weights, count
+
+
+def verify(path: Path, arch: str, sample: str) -> None:
+    """Load the folder back with mlx-lm the way training will, and check it works."""
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(path))
+    fam = FAMILIES[arch]
+    conv = [
+        {"role": "system", "content": "You answer questions about Python."},
+        {"role": "user", "content": "What does the assert statement do?"},
+        {"role": "assistant", "content": sample},
+    ]
+    text = tokenizer.apply_chat_template(conv, tokenize=False)
+    for marker in fam["turn_markers"]:
+        if marker not in text:
+            raise RunbookError(f"verify: chat template output lacks {marker!r}: {text[:200]!r}", ANCHOR)
+    full = tokenizer.apply_chat_template(conv, return_dict=False)
+    prompt = tokenizer.apply_chat_template(conv[:-1], add_generation_prompt=True, return_dict=False)
+    if full[: len(prompt)] != prompt or full.count(tokenizer.bos_token_id) != 1:
+        raise RunbookError("verify: the generation prompt is not a token prefix of the conversation "
+                           "(mask_prompt would misalign) or BOS is not there exactly once", ANCHOR)
+    ids = tokenizer.encode(sample, add_special_tokens=False)
+    if tokenizer.decode(ids) != sample:
+        raise RunbookError("verify: tokenizer round trip changed the text", ANCHOR)
+    logits = model(mx.array([full]))
+    mx.eval(logits)
+    vocab = model.args.vocab_size
+    if logits.shape != (1, len(full), vocab) or not bool(mx.all(mx.isfinite(logits)).item()):
+        raise RunbookError(f"verify: bad logits (shape {logits.shape}, want (1, {len(full)}, {vocab}))", ANCHOR)
+
+
+def check_replaceable(out: Path, force: bool) -> None:
+    if not out.exists() or force:
+        return
+    prov = out / "provenance.json"
+    try:
+        ours = json.loads(prov.read_text(encoding="utf-8")).get("generator") == GENERATOR
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        raise RunbookError(
+            f"{out} exists and was not made by {GENERATOR} (no provenance.json naming it); "
+            "refusing to replace it: choose another --out, or pass --force to overwrite",
+            ANCHOR,
+        )
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    t0 = time.monotonic()
+    try:
+        if not 512 <= args.vocab_size <= 65536:
+            raise RunbookError(f"--vocab-size {args.vocab_size} is out of range: use 512..65536", ANCHOR)
+        check_replaceable(args.out, args.force)
+        texts, text_sha = training_text()
+        tok = train_tokenizer(args.arch, args.vocab_size, texts)
+        config = model_config(args.arch, tok, tok["vocab"], args.dtype, args.seed)
+        tok_config, special_map = tokenizer_files(args.arch, tok)
+        weights, n_params = init_weights(config, args.seed, args.dtype)
+
+        import mlx.core as mx
+
+        with atomic.atomic_dir(args.out) as tmp:
+            atomic.write_json(tmp / "config.json", config)
+            atomic.write_text(tmp / "tokenizer.json", tok["json"] + "\n")
+            atomic.write_json(tmp / "tokenizer_config.json", tok_config)
+            atomic.write_json(tmp / "special_tokens_map.json", special_map)
+            mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+            files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+            provenance = {
+                "generator": GENERATOR,
+                "generator_version": VERSION,
+                "arch": args.arch,
+                "model_type": config["model_type"],
+                "seed": args.seed,
+                "dtype": args.dtype,
+                "parameters": n_params,
+                "init": f"Linear and Embedding weights ~ N(0, {INIT_STD}^2), numpy default_rng"
+                        "([seed, sha256(name)[:8]]); other parameters keep the module's init",
+                "tokenizer": {
+                    "type": "byte-level BPE (tokenizers)",
+                    "vocab_size": tok["vocab"],
+                    "min_frequency": 2,
+                    "special_tokens": tok["ids"],
+                    "trained_on": f"cpython-{platform.python_version()}/pydoc_data.topics",
+                    "trained_on_sha256": text_sha,
+                },
+                "python": platform.python_version(),
+                "packages": {p: pkg_version(p) for p in ("mlx", "mlx-lm", "numpy", "tokenizers")},
+                "files": files,
+            }
+            atomic.write_json(tmp / "provenance.json", provenance)
+            sample = " ".join(texts[0].split("\n\n")[2].split())
+            verify(tmp, args.arch, sample)
+            # temp files are created private (0600/0700); a model folder is shared data
+            mask = os.umask(0)
+            os.umask(mask)
+            for p in tmp.iterdir():
+                p.chmod(0o666 & ~mask)
+            tmp.chmod(0o777 & ~mask)
+    except RunbookError as e:
+        return die(e)
+    except OSError as e:
+        return die(RunbookError(f"cannot write {args.out}: {e}; check the folder is writable", ANCHOR))
+    size = sum(p.stat().st_size for p in args.out.iterdir() if p.is_file())
+    event(
+        "tiny-model",
+        arch=args.arch,
+        seed=args.seed,
+        params=n_params,
+        vocab=tok["vocab"],
+        dtype=args.dtype,
+        bytes=size,
+        out=paths.rel(args.out),
+        seconds=round(time.monotonic() - t0, 2),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

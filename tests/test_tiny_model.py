@@ -1,0 +1,258 @@
+"""The generated tiny models: load, generate, train through raw `mlx_lm lora`, deterministic.
+
+Each model is generated once per session into a temp dir (bin/make_tiny_model.py, the
+script `make tiny-model` runs). Every mlx-lm call runs with HF_HUB_OFFLINE=1 and a dead
+proxy, so a hidden network access fails instead of passing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import pytest
+from conftest import PY, ROOT, make, run
+
+from lib.hashing import sha256_file
+
+ARCHS = ("gemma4", "llama")
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HTTPS_PROXY": "http://127.0.0.1:9",
+    "HTTP_PROXY": "http://127.0.0.1:9",
+}
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+TURN_MARKERS = {"gemma4": ("<|turn>", "<turn|>"), "llama": ("<|start_header_id|>", "<|eot_id|>")}
+
+
+def generate(arch: str, out, seed: int = 0):
+    return run([PY, "bin/make_tiny_model.py", "--arch", arch, "--seed", str(seed), "--out", str(out)],
+               env=dict(os.environ, **OFFLINE))
+
+
+def file_hashes(folder) -> dict[str, str]:
+    return {p.name: sha256_file(p) for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """{arch: model folder}, generated once per session."""
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for arch in ARCHS:
+        p = generate(arch, root / f"tiny-{arch}")
+        assert p.stdout.startswith(f"tiny-model arch {arch} seed 0 params "), p.stdout
+        out[arch] = root / f"tiny-{arch}"
+    return out
+
+
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory):
+    """A 3-split mlx-lm chat dataset made from sample-corpus records (both shapes)."""
+    tmp = tmp_path_factory.mktemp("chat")
+    run([PY, "bin/make_sample_corpus.py", "--out", str(tmp / "corpus.jsonl")])
+    recs = [json.loads(line) for line in (tmp / "corpus.jsonl").read_text().splitlines()[:40]]
+    system = {"role": "system", "content": "You explain the Python language reference."}
+
+    def chat(r):
+        if "text" in r:
+            turns = [{"role": "user", "content": "Quote the Python reference."},
+                     {"role": "assistant", "content": r["text"]}]
+        else:
+            turns = [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]
+        return {"messages": [system, *turns], "record_id": r["record_id"]}
+
+    data = tmp / "data"
+    data.mkdir()
+    for name, part in (("train", recs[:24]), ("valid", recs[24:32]), ("test", recs[32:40])):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps(chat(r)) + "\n" for r in part))
+    return data
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layout_and_provenance(models, arch):
+    m = models[arch]
+    names = {p.name for p in m.iterdir()}
+    assert names == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json", "provenance.json"}
+    cfg = json.loads((m / "config.json").read_text())
+    prov = json.loads((m / "provenance.json").read_text())
+    assert cfg["thunder_runbook"]["arch"] == prov["arch"] == arch
+    assert cfg["thunder_runbook"]["seed"] == prov["seed"] == 0
+    assert prov["generator"] == "bin/make_tiny_model.py" and prov["generator_version"] >= 1
+    assert prov["files"] == {k: v for k, v in file_hashes(m).items() if k != "provenance.json"}
+    assert 2048 <= cfg["vocab_size"] <= 4096
+    assert prov["tokenizer"]["trained_on"].startswith("cpython-")
+    assert not any(str(ROOT) in p.read_text(errors="replace") for p in m.iterdir() if p.suffix == ".json")
+    # not the private mode of temp files: the umask decides, as for any file the operator makes
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {p.stat().st_mode & 0o777 for p in m.iterdir()} == {0o666 & ~mask}
+    assert m.stat().st_mode & 0o777 == 0o777 & ~mask
+
+
+def test_gemma4_config_exercises_the_architecture(models):
+    from mlx_lm.models.gemma4_text import ModelArgs
+
+    cfg = json.loads((models["gemma4"] / "config.json").read_text())
+    assert cfg["model_type"] == "gemma4_text"
+    args = ModelArgs.from_dict(cfg)
+    n, shared = args.num_hidden_layers, args.num_kv_shared_layers
+    assert {"sliding_attention", "full_attention"} <= set(args.layer_types[: n - shared])
+    assert args.layer_types[-1] == "full_attention"
+    assert 0 < shared < n and args.hidden_size_per_layer_input > 0
+    assert args.sliding_window < 256 and args.hidden_size <= 128
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_loads_and_generates(models, arch):
+    from mlx_lm import stream_generate
+    from mlx_lm.utils import load
+
+    model, tok = load(str(models[arch]))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is a lambda?"}],
+                                     add_generation_prompt=True, return_dict=False)
+    out = list(stream_generate(model, tok, prompt, max_tokens=5))
+    assert 1 <= len(out) <= 5
+    assert len(out) == 5 or out[-1].token in tok.eos_token_ids
+    assert all(0 <= r.token < model.args.vocab_size for r in out)
+    cfg = json.loads((models[arch] / "config.json").read_text())
+    assert set(cfg["eos_token_id"]) <= tok.eos_token_ids
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chat_template(models, arch):
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(models[arch])
+    conv = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is pass?"},
+        {"role": "assistant", "content": "A null operation."},
+    ]
+    text = tok.apply_chat_template(conv, tokenize=False)
+    if arch == "gemma4":
+        assert text == ("<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nWhat is pass?<turn|>\n"
+                        "<|turn>model\nA null operation.<turn|>\n")
+        gen = "<|turn>model\n"
+    else:
+        assert text == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+                        "<|start_header_id|>user<|end_header_id|>\n\nWhat is pass?<|eot_id|>"
+                        "<|start_header_id|>assistant<|end_header_id|>\n\nA null operation.<|eot_id|>")
+        gen = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    prompt = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith(gen) and text.startswith(prompt)
+    # markers are single special tokens; the prompt is a token prefix (mlx-lm's --mask-prompt relies on it)
+    ids = tok.apply_chat_template(conv, return_dict=False)
+    pids = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, return_dict=False)
+    assert ids[: len(pids)] == pids
+    for marker in TURN_MARKERS[arch]:
+        mid = tok.convert_tokens_to_ids(marker)
+        assert mid in ids and tok.convert_ids_to_tokens(mid) == marker
+    assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
+    assert tok.encode("x")[0] == tok.bos_token_id  # plain encode adds BOS (TextDataset path)
+    # list-of-parts content renders like a string
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in conv]
+    assert tok.apply_chat_template(parts, tokenize=False) == text
+    with pytest.raises(Exception, match="unknown role"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    with pytest.raises(Exception, match="system message must come first"):
+        tok.apply_chat_template(conv[1:2] + conv[:1], tokenize=False)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_random_init_is_trainable(models, arch):
+    """Full fine-tuning on one batch must drive the loss well down: every path carries gradient."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx_lm.utils import load
+
+    model, tok = load(str(models[arch]))
+    model.train()
+    ids = tok.encode("The assert statement inserts debugging assertions into a program.")
+    x = mx.array([ids, ids[::-1]])
+
+    def loss_fn(m):
+        return nn.losses.cross_entropy(m(x[:, :-1]), x[:, 1:]).mean()
+
+    step = nn.value_and_grad(model, loss_fn)
+    opt = optim.Adam(learning_rate=1e-2)
+    first = None
+    for _ in range(25):
+        loss, grads = step(model)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state, loss)
+        first = loss.item() if first is None else first
+    last = loss.item()
+    assert math.isfinite(last)
+    assert abs(first - math.log(model.args.vocab_size)) < 1.0  # random init: near-uniform
+    assert last < first - 3.0, (first, last)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_raw_mlx_lm_lora_trains(models, chat_data, arch, tmp_path):
+    adapters = tmp_path / "adapters"
+    p = run(
+        [PY, "-m", "mlx_lm", "lora", "--model", str(models[arch]), "--train", "--data", str(chat_data),
+         "--iters", "5", "--num-layers", "2", "--batch-size", "2", "--adapter-path", str(adapters),
+         "--steps-per-eval", "5", "--val-batches", "2", "--test", "--test-batches", "2"],
+        env=dict(os.environ, **OFFLINE),
+    )
+    out = ANSI.sub("", p.stdout + p.stderr)
+    vals = [float(v) for v in re.findall(r"^\s*\d+\s+val\s+([0-9.]+)", out, re.M)]
+    test_loss = re.search(r"Test loss ([0-9.]+|nan|inf)", out)
+    assert len(vals) == 2 and test_loss, out[-2000:]
+    assert all(math.isfinite(v) and 0 < v < 12 for v in [*vals, float(test_loss.group(1))]), out[-2000:]
+    assert (adapters / "adapters.safetensors").is_file()
+    cfg = json.loads((adapters / "adapter_config.json").read_text())
+    assert cfg["num_layers"] == 2
+
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    model, tok = load(str(models[arch]), adapter_path=str(adapters))
+    logits = model(mx.array([tok.encode("pass")]))
+    assert logits.shape[-1] == model.args.vocab_size and mx.all(mx.isfinite(logits)).item()
+
+
+def test_deterministic_same_seed(models, tmp_path):
+    for arch in ARCHS:
+        generate(arch, tmp_path / arch)
+        assert file_hashes(tmp_path / arch) == file_hashes(models[arch]), arch
+
+
+def test_seed_changes_weights_only(models, tmp_path):
+    generate("llama", tmp_path / "s1", seed=1)
+    a, b = file_hashes(models["llama"]), file_hashes(tmp_path / "s1")
+    assert a["model.safetensors"] != b["model.safetensors"]
+    assert a["tokenizer.json"] == b["tokenizer.json"] and a["tokenizer_config.json"] == b["tokenizer_config.json"]
+    assert json.loads((tmp_path / "s1" / "config.json").read_text())["thunder_runbook"]["seed"] == 1
+
+
+def test_regenerating_replaces_own_model(models, tmp_path):
+    out = tmp_path / "m"
+    generate("llama", out)
+    (out / "stray.txt").write_text("left over")
+    generate("llama", out)
+    assert not (out / "stray.txt").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+def test_refuses_to_replace_a_folder_it_did_not_make(tmp_path):
+    out = tmp_path / "real-model"
+    out.mkdir()
+    (out / "config.json").write_text('{"model_type": "gemma4_text"}')
+    p = run([PY, "bin/make_tiny_model.py", "--arch", "gemma4", "--out", str(out)], check=False)
+    assert p.returncode != 0
+    assert "--force" in p.stderr and "see RUNBOOK.md#generated-inputs" in p.stderr
+    assert [x.name for x in out.iterdir()] == ["config.json"]
+
+
+def test_make_target_runs_the_script():
+    p = make("-n", "-B", "tiny-model", "ARCH=llama", "TINY_SEED=3")
+    assert "bin/make_tiny_model.py --arch llama --seed 3 --out models/tiny-llama" in p.stdout
