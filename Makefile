@@ -93,10 +93,26 @@ datasets/sample/corpus.jsonl: bin/make_sample_corpus.py $(LIB) $(VENV)/.stamp
 export:
 	@echo "export: not implemented yet (issue #4)" >&2; exit 2
 
-## check-parity: preflight every host in HOSTFILE (JSON=1 for one JSON object; exit 0/1/2/3)
+# check-parity and provision knobs: free disk needed at REMOTE_ROOT; the Python X.Y that
+# provision builds venvs with on the hosts (default: found there); RECREATE=1 rebuilds them.
+MIN_DISK_GB ?= 10
+BASE_PYTHON ?=
+RECREATE    ?=
+
+## check-parity: preflight every host in HOSTFILE (JSON=1: one JSON object; DEEP=1: hash the model; exit 0/1/2/3)
+# Phony: it is cheap and host state changes behind make's back. WARNING (exit 1) passes;
+# the stamp only records the last passing run. With JSON=1 stdout is the JSON object alone.
 .PHONY: check-parity
-check-parity:
-	@echo "check-parity: not implemented yet (issue #5)" >&2; exit 2
+check-parity: $(VENV)/.stamp
+	$(if $(JSON),@)$(PY) bin/check_parity.py --hostfile $(HOSTFILE) --python $(PYTHON) --remote-root $(REMOTE_ROOT) --model=$(MODEL) --dataset=$(DATASET) --min-disk-gb $(MIN_DISK_GB)$(if $(JSON), --json)$(if $(DEEP), --deep) || [ $$? -eq 1 ]
+	$(if $(JSON),@)mkdir -p $(STAMPS) && touch $(STAMPS)/check-parity
+
+## provision: create or repair PYTHON's venv on every host from requirements.lock, then check-parity
+.PHONY: provision
+provision: $(VENV)/.stamp | $(STAMPS)
+	$(PY) bin/provision.py --hostfile $(HOSTFILE) --python $(PYTHON)$(if $(BASE_PYTHON), --base-python $(BASE_PYTHON))$(if $(RECREATE), --recreate)
+	$(PY) bin/check_parity.py --hostfile $(HOSTFILE) --python $(PYTHON) --remote-root $(REMOTE_ROOT) --model=$(MODEL) --dataset=$(DATASET) --min-disk-gb $(MIN_DISK_GB) || [ $$? -eq 1 ]
+	touch $(STAMPS)/check-parity
 
 ## sync: code + dataset (+ model with SYNC_MODEL=1) to REMOTE_ROOT on every host, verified by hash
 # Always runs (a no-op sync is one hash probe per host): host state changes behind make's back.

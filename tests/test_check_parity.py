@@ -1,0 +1,440 @@
+"""check-parity and provision: parsers (macOS tools from recordings), the lock, the local
+embedded default end to end, and every acceptance fault on the multi-host fabric.
+
+The fabric tests inject one difference at a time on one host, check that the failing check
+names that host and its fix with the right exit code, and undo the difference afterwards.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import PY, ROOT, run
+
+from lib import atomic, hashing, parity, parity_probe
+from lib.hostfile import parse as parse_hostfile
+from lib.remote import Result
+
+FIX = ROOT / "tests" / "fixtures" / "macos"
+PYTHON = str(ROOT / ".venv" / "bin" / "python")
+
+
+def macos(name: str) -> dict:
+    d = FIX / name
+    files = {"networksetup": "networksetup.txt", "ifconfig": "ifconfig.txt",
+             "system_profiler": "system_profiler.json", "ibv_devices": "ibv_devices.txt"}
+    return {k: (d / f).read_text() for k, f in files.items() if (d / f).exists()}
+
+
+def check_parity(*args, hostfile="hostfile.local.json", python=PYTHON, remote_root=None, env=None,
+                 state_dir=None, timeout=60):
+    cmd = [PY, "bin/check_parity.py", "--hostfile", str(hostfile), "--python", python,
+           "--remote-root", str(remote_root or ROOT), "--json", *args]
+    if state_dir is not None:
+        cmd += ["--state-dir", str(state_dir)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout,
+                       stdin=subprocess.DEVNULL)
+    try:
+        out = json.loads(p.stdout)
+    except ValueError:
+        raise AssertionError(f"stdout is not one JSON object (exit {p.returncode}):\n{p.stdout}\n{p.stderr}") from None
+    assert out["code"] == p.returncode, (out, p.stderr)
+    return p.returncode, out
+
+
+def failing(out: dict, name: str | None = None, host: str | None = None) -> list[dict]:
+    return [c for c in out["checks"] if c["status"] == "fail"
+            and (name is None or c["name"] == name) and (host is None or c["host"] == host)]
+
+
+def statuses(out: dict) -> dict:
+    return {(c["name"], c["host"]): c["status"] for c in out["checks"]}
+
+
+# ---- macOS tools, from recorded output ---------------------------------------------------------
+
+def test_parse_hardware_ports_maps_devices_to_ports():
+    ports = parity.parse_hardware_ports(macos("mac4-ring")["networksetup"])
+    assert ports["bridge0"] == "Thunderbolt Bridge"
+    assert ports["en2"] == "Thunderbolt 1" and ports["en0"] == "Ethernet" and ports["en1"] == "Wi-Fi"
+
+
+def test_parse_ifconfig_addresses_members_and_status():
+    ifs = parity.parse_ifconfig(macos("mac4-ring")["ifconfig"])
+    assert ifs["bridge0"]["inet"] == ["10.0.5.4"]
+    assert ifs["bridge0"]["members"] == ["en2", "en3", "en4"]
+    assert ifs["bridge0"]["status"] == "active" and ifs["en3"]["status"] == "inactive"
+    assert ifs["lo0"]["inet"] == ["127.0.0.1"] and "LOOPBACK" in ifs["lo0"]["flags"]
+
+
+def test_parse_thunderbolt_ports_and_peers():
+    ports = parity.parse_thunderbolt(macos("mac4-ring")["system_profiler"])
+    assert [p["receptacle"] for p in ports] == ["1", "2", "3"]
+    assert ports[0]["peers"] == ["Mac mini"] and ports[0]["speed"] == "Up to 80 Gb/s"
+    assert ports[1]["peers"] == [] and ports[2]["peers"] == []
+    assert all(not p["peers"] for p in parity.parse_thunderbolt(macos("mac5-unplugged")["system_profiler"]))
+
+
+def test_thunderbolt_ring_ip_on_the_bridge_passes():
+    status, detail = parity.thunderbolt_facts(["10.0.5.4"], macos("mac4-ring"))
+    assert status == "pass", detail
+    assert "bridge0 (Thunderbolt Bridge; active: en2)" in detail and "80 Gb/s" in detail
+
+
+def test_thunderbolt_cable_out_fails_naming_why():
+    status, detail = parity.thunderbolt_facts(["10.0.5.5"], macos("mac5-unplugged"))
+    assert status == "fail"
+    assert "bridge0 (Thunderbolt Bridge) but its status is inactive" in detail
+    assert "no Thunderbolt peer connected" in detail
+
+
+def test_thunderbolt_ip_on_ethernet_warns():
+    status, detail = parity.thunderbolt_facts(["192.168.1.24"], macos("mac4-ring"))
+    assert status == "warn"
+    assert "192.168.1.24 is on en0 (Ethernet), not Thunderbolt" in detail
+
+
+def test_thunderbolt_ip_on_no_interface_fails():
+    status, detail = parity.thunderbolt_facts(["10.0.5.9"], macos("mac4-ring"))
+    assert status == "fail" and "10.0.5.9 is on no interface" in detail
+
+
+def test_thunderbolt_jaccl_style_ip_on_a_port_passes():
+    status, detail = parity.thunderbolt_facts(["192.168.0.1"], macos("mac4-jaccl"))
+    assert status == "pass", detail
+    assert "en2 (Thunderbolt 1)" in detail
+
+
+def test_ibv_devices_lists_and_missing():
+    assert parity.parse_ibv_devices(macos("mac4-ring")["ibv_devices"]) == ["rdma_en2", "rdma_en3", "rdma_en4"]
+    assert parity.rdma_missing(["rdma_en2", "rdma_en3"], macos("mac4-jaccl")["ibv_devices"])[0] == []
+    missing, listed = parity.rdma_missing(["rdma_en2"], macos("mac5-rdma-off")["ibv_devices"])
+    assert missing == ["rdma_en2"] and listed == []
+
+
+def test_rdma_wanted_reads_one_rank_row():
+    assert parity.rdma_wanted([None, "rdma_en2", ["rdma_en3", "rdma_en4"]]) == ["rdma_en2", "rdma_en3", "rdma_en4"]
+
+
+def test_macos_checks_skip_on_linux(tmp_path):
+    rc, out = check_parity("--model=", "--dataset=", state_dir=tmp_path)
+    tb = [c for c in out["checks"] if c["name"] == "resources.thunderbolt"]
+    assert tb and all(c["detail"].startswith("skipped: not macOS") for c in tb)
+
+
+# ---- the lock, topology, ssh failures ------------------------------------------------------------
+
+def test_lock_pins_follow_the_hosts_markers():
+    text = (ROOT / "requirements.lock").read_text()
+    env = parity_probe.marker_env()
+    linux311 = parity.lock_pins(text, dict(env, sys_platform="linux", python_full_version="3.11.7",
+                                           python_version="3.11"))
+    mac312 = parity.lock_pins(text, dict(env, sys_platform="darwin", platform_system="Darwin",
+                                         platform_machine="arm64", python_full_version="3.12.8",
+                                         python_version="3.12"))
+    assert linux311["mlx"] == mac312["mlx"] == "0.32.4"
+    assert "mlx-cpu" in linux311 and "mlx-cpu" not in mac312
+    assert "mlx-metal" in mac312 and "mlx-metal" not in linux311
+    assert linux311["numpy"] != mac312["numpy"]  # the lock resolves numpy per Python version
+    assert all(n in linux311 for n in ("mlx-lm", "transformers", "tokenizers", "safetensors"))
+
+
+def test_probe_file_walk_matches_lib_hashing():
+    """The probe cannot import lib (it runs before the code is on the host); its copy of the
+    file walk must give exactly lib.hashing's list, or every host would 'differ'."""
+    assert parity_probe.iter_files(str(ROOT), parity.CODE_PARTS) == hashing.iter_files(ROOT, parity.CODE_PARTS)
+
+
+def test_probe_reads_versions_like_importlib_metadata():
+    from importlib import metadata
+
+    dists = parity_probe.installed_dists()
+    for name in ("mlx", "mlx-lm", "numpy", "transformers", "tokenizers", "safetensors"):
+        assert dists[name] == metadata.version(name)
+
+
+def test_peers_ring_and_jaccl():
+    ring = parse_hostfile({"backend": "ring", "hosts": [{"ssh": f"h{i}", "ips": [f"10.0.0.{i}"]} for i in range(3)]})
+    assert parity.peers_of(ring) == {"h0": ["10.0.0.1", "10.0.0.2"], "h1": ["10.0.0.0", "10.0.0.2"],
+                                     "h2": ["10.0.0.0", "10.0.0.1"]}
+    four = parse_hostfile({"backend": "ring", "hosts": [{"ssh": f"h{i}", "ips": [f"10.0.0.{i}"]} for i in range(4)]})
+    assert parity.peers_of(four)["h0"] == ["10.0.0.1", "10.0.0.3"]  # ring neighbours only
+    mesh = parse_hostfile({"backend": "jaccl", "hosts": [
+        {"ssh": f"h{i}", "ips": [f"10.0.0.{i}"], "rdma": [None if j == i else f"rdma_en{j + 2}" for j in range(4)]}
+        for i in range(4)]})
+    assert parity.peers_of(mesh)["h0"] == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]  # jaccl: every other rank
+    two = parse_hostfile({"hosts": [{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]})
+    assert parity.peers_of(two) == {"a": ["10.0.0.2"], "b": ["10.0.0.1"]}
+    one = parse_hostfile([{"ssh": "a", "ips": ["10.0.0.1"]}])
+    assert parity.peers_of(one) == {"a": []}
+
+
+@pytest.mark.parametrize("stderr,expect", [
+    ("Host key verification failed.\r\n", "host key unknown"),
+    ("No ED25519 host key is known for fab2 and you have requested strict checking.\r\n"
+     "Host key verification failed.\r\n", "host key unknown"),
+    ("@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@\r\n"
+     "@    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @\r\n", "host key CHANGED"),
+    ("ssh: connect to host 10.213.7.12 port 22: Connection refused\r\n", "sshd not listening"),
+    ("ssh: connect to host 10.0.5.5 port 22: Connection timed out\r\n", "host unreachable"),
+    ("ssh: connect to host 10.0.5.5 port 22: No route to host\r\n", "host unreachable"),
+    ("root@fab2: Permission denied (publickey).\r\n", "authentication refused"),
+    ("ssh: Could not resolve hostname mac9: Name or service not known\r\n", "unknown host name"),
+])
+def test_ssh_failures_are_named_with_a_fix(stderr, expect):
+    detail, fix = parity.ssh_failure("fab2", Result("fab2", 255, "", stderr))
+    assert detail.startswith(expect), detail
+    assert "see RUNBOOK.md#parity-ssh" in fix
+
+
+def test_probe_output_survives_a_noisy_login_shell():
+    noisy = "Welcome to fab2!\nlast login: never\n" + json.dumps({"probe_version": 1, "x": 1}) + "\n"
+    assert parity.parse_probe_output(noisy) == {"probe_version": 1, "x": 1}
+    assert parity.parse_probe_output("Welcome\n") is None
+
+
+# ---- local end to end (127.0.0.1: local execution, like mlx.launch) -----------------------------
+
+def test_local_default_is_ok_with_one_json_object(tmp_path):
+    rc, out = check_parity("--model=", "--dataset=", state_dir=tmp_path)
+    assert rc == 0, failing(out)
+    assert set(out) == {"status", "code", "checks", "duration_s", "ts"}
+    assert out["status"] == "OK"
+    for c in out["checks"]:
+        assert set(c) == {"name", "host", "status", "detail", "fix"} and c["status"] in ("pass", "warn", "fail")
+    names = {c["name"] for c in out["checks"]}
+    assert {"hostfile", "ssh", "runtime.python", "runtime.packages", "runtime.mlx", "code", "resources.disk",
+            "resources.memory", "link.ips", "link.rtt"} <= names
+    assert json.loads((tmp_path / "last.json").read_text()) == out
+
+
+def test_table_is_the_default_and_ends_with_the_status_line(tmp_path):
+    p = run([PY, "bin/check_parity.py", "--hostfile", "hostfile.local.json", "--python", PYTHON,
+             "--remote-root", str(ROOT), "--model=", "--dataset=", "--state-dir", str(tmp_path)])
+    lines = p.stdout.strip().splitlines()
+    assert lines[-1].startswith("check-parity status OK code 0 checks ")
+    assert any(ln.split()[:3] == ["pass", "runtime.mlx", "127.0.0.1"] for ln in lines)
+
+
+def test_missing_python_fails_but_still_reports_the_host(tmp_path):
+    rc, out = check_parity("--model=", "--dataset=", python=str(tmp_path / "venv" / "bin" / "python"),
+                           state_dir=tmp_path)
+    assert rc == 2
+    [c] = failing(out, "runtime.python", "127.0.0.1")
+    assert "does not exist on this host" in c["detail"] and "make provision" in c["fix"]
+    # the probe fell back to the host's python3: disk, code and link are still checked
+    st = statuses(out)
+    assert st[("resources.disk", "127.0.0.1")] == "pass" and st[("code", "127.0.0.1")] == "pass"
+
+
+def copy_code(dest: Path) -> None:
+    for part in parity.CODE_PARTS:
+        src = ROOT / part
+        if src.is_dir():
+            shutil.copytree(src, dest / part, ignore=shutil.ignore_patterns("__pycache__", ".*"))
+        else:
+            shutil.copy2(src, dest / part)
+
+
+def test_code_difference_names_the_file(tmp_path):
+    rr = tmp_path / "root"
+    copy_code(rr)
+    rc, out = check_parity("--model=", "--dataset=", remote_root=rr, state_dir=tmp_path)
+    assert rc == 0, failing(out)
+    with open(rr / "lib" / "log.py", "a") as f:
+        f.write("# edited on the host\n")
+    (rr / "configs" / "stray.yaml").write_text("x: 1\n")
+    rc, out = check_parity("--model=", "--dataset=", remote_root=rr, state_dir=tmp_path)
+    assert rc == 2
+    [c] = failing(out, "code")
+    assert "differs: lib/log.py" in c["detail"] and "extra on host: configs/stray.yaml" in c["detail"]
+    assert "make sync" in c["fix"] and "RUNBOOK.md#parity-code" in c["fix"]
+
+
+def test_remote_root_missing_fails(tmp_path):
+    rc, out = check_parity("--model=", "--dataset=", remote_root=tmp_path / "nowhere", state_dir=tmp_path)
+    assert rc == 2
+    [c] = failing(out, "code")
+    assert "does not exist on this host" in c["detail"]
+
+
+def make_model(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "gemma4_text", "hidden_size": 64}))
+    (path / "model.safetensors").write_bytes(os.urandom(200_000))
+    (path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
+    return path
+
+
+def make_dataset(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for split, n in (("train", 40), ("valid", 4), ("test", 4)):
+        with open(path / f"{split}.jsonl", "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                 {"role": "assistant", "content": f"a{i}"}],
+                                    "record_id": f"{split}-{i}"}) + "\n")
+        files[f"{split}.jsonl"] = {"sha256": hashing.sha256_file(path / f"{split}.jsonl"),
+                                   "bytes": (path / f"{split}.jsonl").stat().st_size, "records": n}
+    atomic.write_json(path / "manifest.json", {"files": files})
+    return path
+
+
+@pytest.fixture
+def local_data(request, tmp_path):
+    """A model under models/ and a dataset under datasets/ of this checkout (removed after)."""
+    tag = f"paritytest-{os.getpid()}-{request.node.name[:30]}"
+    model = make_model(ROOT / "models" / tag)
+    data = make_dataset(ROOT / "datasets" / tag)
+    yield tag
+    shutil.rmtree(model, ignore_errors=True)
+    shutil.rmtree(data, ignore_errors=True)
+
+
+def test_model_prefilter_and_deep_hash(local_data, tmp_path):
+    rr = tmp_path / "root"
+    copy_code(rr)
+    shutil.copytree(ROOT / "models" / local_data, rr / "models" / local_data)  # copy2: mtimes kept
+    args = (f"--model=models/{local_data}", "--dataset=")
+    rc, out = check_parity(*args, remote_root=rr, state_dir=tmp_path)
+    assert rc == 0, failing(out)
+    # same size, same mtime, other bytes: only --deep can see it
+    w = rr / "models" / local_data / "model.safetensors"
+    st = w.stat()
+    data = bytearray(w.read_bytes())
+    data[1000] ^= 0xFF
+    w.write_bytes(bytes(data))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    rc, out = check_parity(*args, remote_root=rr, state_dir=tmp_path)
+    assert rc == 0, failing(out)
+    rc, out = check_parity(*args, "--deep", remote_root=rr, state_dir=tmp_path)
+    assert rc == 2
+    [c] = failing(out, "model")
+    assert "sha256 differs: model.safetensors" in c["detail"]
+    # a newer mtime with the same size: a warning that points at DEEP=1
+    os.utime(w, (st.st_atime, st.st_mtime + 60))
+    rc, out = check_parity(*args, remote_root=rr, state_dir=tmp_path)
+    assert rc == 1
+    [c] = [c for c in out["checks"] if c["name"] == "model"]
+    assert c["status"] == "warn" and "DEEP=1" in c["fix"]
+
+
+def test_hub_model_id_is_skipped(tmp_path):
+    rc, out = check_parity("--model=mlx-community/gemma-4-e2b-it-4bit", "--dataset=", state_dir=tmp_path)
+    assert rc == 0
+    [c] = [c for c in out["checks"] if c["name"] == "model"]
+    assert c["detail"].startswith("skipped: MODEL mlx-community/gemma-4-e2b-it-4bit is a hub id")
+
+
+def test_dataset_file_changed_on_host(local_data, tmp_path):
+    rr = tmp_path / "root"
+    copy_code(rr)
+    shutil.copytree(ROOT / "datasets" / local_data, rr / "datasets" / local_data)
+    args = ("--model=", f"--dataset={local_data}")
+    rc, out = check_parity(*args, remote_root=rr, state_dir=tmp_path)
+    assert rc == 0, failing(out)
+    with open(rr / "datasets" / local_data / "valid.jsonl", "r+b") as f:
+        f.seek(5)
+        f.write(b"X")
+    rc, out = check_parity(*args, remote_root=rr, state_dir=tmp_path)
+    assert rc == 2
+    [c] = failing(out, "dataset")
+    assert "valid.jsonl: sha256" in c["detail"] and "make sync" in c["fix"]
+    shutil.rmtree(rr / "datasets")
+    rc, out = check_parity(*args, remote_root=rr, state_dir=tmp_path)
+    assert rc == 1
+    [c] = [c for c in out["checks"] if c["name"] == "dataset"]
+    assert c["status"] == "warn" and "not synced to this host yet" in c["detail"]
+
+
+def test_overlapping_run_exits_3_at_once(tmp_path):
+    with open(tmp_path / ".lock", "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        t0 = time.monotonic()
+        rc, out = check_parity("--model=", "--dataset=", state_dir=tmp_path)
+        assert time.monotonic() - t0 < 5
+    assert rc == 3 and out["status"] == "UNKNOWN"
+    [c] = out["checks"]
+    assert c["name"] == "lock" and "another check-parity is running" in c["detail"]
+    assert not (tmp_path / "last.json").exists()  # the other run's result is not clobbered
+    p = run([PY, "bin/check_parity.py", "--hostfile", "hostfile.local.json", "--python", PYTHON, "--remote-root",
+             str(ROOT), "--state-dir", str(tmp_path)], check=False)
+    assert p.returncode == 0  # the lock is free again
+
+
+def test_hostfile_with_an_ssh_option_is_refused_before_ssh(tmp_path):
+    pwned = Path("/tmp/pwned")
+    if pwned.exists():
+        pwned.unlink()
+    hf = tmp_path / "evil.json"
+    hf.write_text(json.dumps({"backend": "ring", "hosts": [
+        {"ssh": "-oProxyCommand=touch /tmp/pwned", "ips": ["10.0.5.4"]}, {"ssh": "mac5", "ips": ["10.0.5.5"]}]}))
+    rc, out = check_parity(hostfile=hf, state_dir=tmp_path)
+    assert rc == 2
+    [c] = out["checks"]
+    assert c["name"] == "hostfile" and "refused" in c["detail"] and "RUNBOOK.md#hostfile" in c["fix"]
+    assert not pwned.exists()
+
+
+def test_invalid_hostfile_names_file_and_line(tmp_path):
+    hf = tmp_path / "broken.json"
+    hf.write_text('{"hosts": [\n  {"ssh": "mac4",}\n]}\n')
+    rc, out = check_parity(hostfile=hf, state_dir=tmp_path)
+    assert rc == 2
+    assert f"{hf}:2: invalid JSON" in out["checks"][0]["detail"]
+
+
+def test_dangerous_paths_are_refused(tmp_path):
+    rc, out = check_parity(python="/opt/x/../../bin/sh", state_dir=tmp_path)
+    assert rc == 2 and out["checks"][0]["name"] == "inputs" and "PYTHON" in out["checks"][0]["detail"]
+    rc, out = check_parity("--dataset=../../etc", state_dir=tmp_path)
+    assert rc == 2 and "DATASET" in out["checks"][0]["detail"]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bin" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_broken_check_is_unknown_not_ok(tmp_path, monkeypatch, capsys):
+    mod = load_script("check_parity")
+
+    def boom(*a, **k):
+        raise RuntimeError("probe exploded")
+
+    monkeypatch.setattr(mod.parity, "probe", boom)
+    monkeypatch.setattr(sys, "argv", ["check_parity.py", "--hostfile", "hostfile.local.json", "--python", PYTHON,
+                                      "--remote-root", str(ROOT), "--json", "--state-dir", str(tmp_path)])
+    assert mod.main() == 3
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == "UNKNOWN" and "probe exploded" in out["checks"][0]["detail"]
+
+
+def test_make_check_parity_json_is_one_object(tmp_path):
+    p = subprocess.run(["make", "--no-print-directory", "check-parity", "JSON=1", "HOSTFILE=hostfile.local.json",
+                        "MODEL=", "DATASET="], cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["code"] == 0
+    assert (ROOT / ".stamps" / "check-parity").exists()
+    dry = run(["make", "--no-print-directory", "-n", "check-parity", "JSON=1", "DEEP=1"]).stdout
+    assert "bin/check_parity.py" in dry and "--json --deep" in dry
+
+
+def test_provision_refuses_a_python_that_is_not_a_venv(tmp_path):
+    p = run([PY, "bin/provision.py", "--hostfile", "hostfile.local.json", "--python", "/usr/bin/python3"], check=False)
+    assert p.returncode == 2 and "not a venv" in p.stderr and "RUNBOOK.md#provision" in p.stderr
