@@ -89,9 +89,27 @@ datasets/sample/corpus.jsonl: bin/make_sample_corpus.py $(LIB) $(VENV)/.stamp
 
 # ---- stages, in pipeline order -------------------------------------------------
 ## export: corpus -> datasets/$(DATASET)/ (mlx-lm chat JSONL, splits, manifest, rejects)
+# CORPUS: files and/or globs ('data/*.jsonl.gz'). EXPORT_ARGS: more bin/export.py flags,
+# e.g. EXPORT_ARGS='--field text=body --ratios 0.8,0.1,0.1'.
+EXPORT_CONFIG ?= configs/export.yaml
+EXPORT_ARGS   ?=
+# The files CORPUS names now; the default sample corpus is built by its rule when missing.
+CORPUS_FILES  := $(or $(wildcard $(CORPUS)),$(filter datasets/sample/corpus.jsonl,$(CORPUS)))
+EXPORT_STAMP  := datasets/$(DATASET)/manifest.json
 .PHONY: export
-export:
-	@echo "export: not implemented yet (issue #4)" >&2; exit 2
+export: $(EXPORT_STAMP)
+
+$(EXPORT_STAMP): $(CORPUS_FILES) $(STAMPS)/export-$(DATASET).args bin/export.py $(EXPORT_CONFIG) $(LIB) $(VENV)/.stamp
+	$(PY) bin/export.py $(CORPUS) --dataset $(DATASET) --config $(EXPORT_CONFIG) $(EXPORT_ARGS)
+
+# What the export is asked for (CORPUS, the files it matches, config, flags), rewritten
+# only when it changes: a new CORPUS re-exports even when the old manifest is newer.
+$(STAMPS)/export-$(DATASET).args: export EXPORT_REQUEST = CORPUS=$(CORPUS) FILES=$(CORPUS_FILES) CONFIG=$(EXPORT_CONFIG) ARGS=$(EXPORT_ARGS)
+$(STAMPS)/export-$(DATASET).args: FORCE | $(STAMPS)
+	@printf '%s\n' "$$EXPORT_REQUEST" > $@.tmp; if cmp -s $@.tmp $@; then rm -f $@.tmp; else mv -f $@.tmp $@; fi
+
+.PHONY: FORCE
+FORCE:
 
 # check-parity and provision knobs: free disk needed at REMOTE_ROOT; the Python X.Y that
 # provision builds venvs with on the hosts (default: found there); RECREATE=1 rebuilds them.
