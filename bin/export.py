@@ -487,12 +487,13 @@ def record_id_of(v) -> str | None:
 
 def weight_text(w, cache: dict) -> str:
     """', "weight": <float>' for a valid weight (cached by value), else a Reject."""
-    tw = type(w)
-    try:
-        ok = (tw is float or tw is int) and 0 <= w < math.inf
-        wf = float(w) + 0.0  # + 0.0 turns -0.0 into 0.0
-    except OverflowError:
-        ok = False
+    ok = False
+    if (type(w) is float or type(w) is int) and 0 <= w < math.inf:
+        try:
+            wf = float(w) + 0.0  # + 0.0 turns -0.0 into 0.0
+            ok = True
+        except OverflowError:  # an integer too big for a float
+            pass
     if not ok:
         raise Reject("bad_weight", f"weight {w!r} is not a non-negative finite number")
     text = ', "weight": ' + repr(wf)
@@ -539,16 +540,17 @@ class DigestIndex:
     """An exact set of 16-byte keys, or a map key -> 16-byte value, at 16 or 32 bytes per entry.
 
     Two levels of sorted uint64 columns (top 64 bits of the key sorted, the rest beside it):
-    `small` takes each batch's new keys, and is merged into `big` when it passes `small_max`,
-    so a batch costs O(small_max) and the big merge O(n) every small_max keys. Lookups are
+    `small` takes each batch's new keys, and is merged into `big` when it passes SMALL_MAX,
+    so a batch costs O(SMALL_MAX) and the big merge O(n) every SMALL_MAX keys. Lookups are
     vectorized per batch, with the batch's keys sorted (searchsorted walks the arrays in order).
     """
 
-    def __init__(self, with_values: bool, small_max: int = 1 << 17):
+    SMALL_MAX = 1 << 17
+
+    def __init__(self, with_values: bool):
         import numpy as np
 
         self.ncols = 4 if with_values else 2
-        self.small_max = small_max
         self.big = [np.empty(0, np.uint64) for _ in range(self.ncols)]
         self.small = [np.empty(0, np.uint64) for _ in range(self.ncols)]
 
@@ -608,7 +610,7 @@ class DigestIndex:
         """Insert keys known to be absent."""
         if len(new[0]):
             self.small = self._merge(self.small, new)
-        if len(self.small[0]) > self.small_max:
+        if len(self.small[0]) > self.SMALL_MAX:
             import numpy as np
 
             self.big = self._merge(self.big, self.small)
