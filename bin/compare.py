@@ -591,8 +591,11 @@ def plot_curves(dual: dict, control: dict, losses: dict, verdict: str) -> bytes:
 
 
 # ---- calibration (issue #9 defines the file; read it only when it says what we need) ----------------
-def calibration_note(speedup: float | None, world_ratio: float) -> dict | None:
-    files = sorted(paths.RUNS.glob("calibration-*.json"))
+def calibration_note(speedup: float | None, world_ratio: float, runs_dir: Path | None = None) -> dict | None:
+    """The newest runs/calibration-*.json (names sort by time). Read only `expected_speedup`:
+    the speedup the measured link and per-host throughput allow. The speedup is link-bound
+    when that is well below the ideal (the link costs) and the run reached it."""
+    files = sorted((runs_dir or paths.RUNS).glob("calibration-*.json"))
     if not files:
         return None
     path = files[-1]

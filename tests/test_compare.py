@@ -291,6 +291,20 @@ def test_throughput_leaves_out_each_launch_compile_step():
     assert compare.throughput([])["tok_per_s"] is None
 
 
+def test_calibration_says_whether_the_speedup_is_link_bound(tmp_path):
+    assert compare.calibration_note(1.5, 2.0, tmp_path) is None
+    atomic.write_json(tmp_path / "calibration-20260101T000000.json", {"expected_speedup": 3.0})
+    atomic.write_json(tmp_path / "calibration-20260102T000000.json", {"expected_speedup": 1.4})  # the newest
+    note = compare.calibration_note(1.35, 2.0, tmp_path)
+    assert note["link_bound"] is True and note["file"].endswith("calibration-20260102T000000.json")
+    assert compare.calibration_note(0.9, 2.0, tmp_path)["link_bound"] is False  # below what the link allows
+    atomic.write_json(tmp_path / "calibration-20260103T000000.json", {"expected_speedup": 1.95})
+    assert compare.calibration_note(1.9, 2.0, tmp_path)["link_bound"] is False  # near ideal: not the link
+    atomic.write_json(tmp_path / "calibration-20260104T000000.json", {"links": []})
+    note = compare.calibration_note(1.9, 2.0, tmp_path)
+    assert note["link_bound"] is None and "no expected_speedup" in note["note"]
+
+
 # ---- run folders around real adapters ----------------------------------------------------------------
 def chat_records() -> list[dict]:
     """Chat records from CPython's language reference: a real domain for the tiny model."""
