@@ -21,7 +21,6 @@ runs/<RUN>/smoke/; the verdict in runs/<RUN>/smoke.json. Exit 0 only when all ho
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, launch, paths  # noqa: E402
+from lib import checkpoint as ckpt  # noqa: E402
 from lib.config import load_config  # noqa: E402
-from lib.hashing import sha256_file  # noqa: E402
 from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 
@@ -39,22 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     launch.add_common_args(p)
     return p
-
-
-def verify_checkpoint(ckpt: Path) -> tuple[bool, str]:
-    """Every file listed in the checkpoint's sha256 manifest hashes to its value."""
-    mf = ckpt / "manifest.json"
-    if not mf.is_file():
-        return False, f"{paths.rel(ckpt)} has no manifest.json"
-    files = json.loads(mf.read_text()).get("files", {})
-    if not files:
-        return False, f"{paths.rel(mf)} lists no files"
-    for name, meta in files.items():
-        want = meta["sha256"] if isinstance(meta, dict) else meta
-        f = ckpt / name
-        if not f.is_file() or sha256_file(f) != want:
-            return False, f"{paths.rel(f)} does not match its manifest"
-    return True, f"{paths.rel(ckpt)} ({len(files)} files verified)"
 
 
 def main() -> int:
@@ -95,8 +78,10 @@ def main() -> int:
     crit["real_data"] = (data_ok and len(joined) == hf.size,
                          "; ".join(f"rank {r}: {j.get('records')} records, dataset {str(j.get('dataset_sha256'))[:12]}"
                                    for r, j in sorted(joined.items())) + f" (local {local_dataset[:12]})")
-    ckpts = sorted((paths.ROOT / run_rel / "checkpoints").glob("step-*"))
-    ck_ok, ck_msg = verify_checkpoint(ckpts[0]) if ckpts else (False, "no checkpoint under checkpoints/")
+    ckpts = ckpt.listing(paths.ROOT / run_rel / "checkpoints")
+    checks = [(c.name, *ckpt.verify(c)) for c in ckpts]
+    ck_ok = bool(checks) and all(ok for _, ok, _ in checks)
+    ck_msg = "; ".join(f"{n}: {'verified' if ok else why}" for n, ok, why in checks) or "no checkpoint under checkpoints/"
     crit["checkpoint"] = (ck_ok, ck_msg)
     mets = launch.metrics(paths.ROOT / run_rel)
     vals = [m for m in mets if m.get("kind") == "val"]

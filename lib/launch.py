@@ -265,16 +265,19 @@ def fetch(hf: Hostfile, run_rel: str, remote_root: str) -> dict[str, str]:
     return out
 
 
-def rank_events(run_dir: Path) -> dict:
-    """What the ranks said about themselves: joined lines and failure files in logs/."""
+def rank_events(run_dir: Path, launch_id: str) -> dict:
+    """What the ranks of this launch said about themselves: logs/rank-R.joined.json and
+    logs/rank-R.failure.json carrying this launch_id (older files are stale)."""
     joined, failures = {}, {}
     logs = run_dir / "logs"
-    for f in sorted(logs.glob("rank-*.joined.json")):
-        d = json.loads(f.read_text())
-        joined[int(d["rank"])] = d
-    for f in sorted(logs.glob("rank-*.failure.json")):
-        d = json.loads(f.read_text())
-        failures[int(d.get("rank", f.name.split("-")[1].split(".")[0]))] = d
+    for kind, out in (("joined", joined), ("failure", failures)):
+        for f in sorted(logs.glob(f"rank-*.{kind}.json")):
+            try:
+                d = json.loads(f.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if d.get("launch_id") == launch_id:
+                out[int(f.name.split("-")[1].split(".")[0])] = d
     return {"joined": joined, "failures": failures}
 
 
@@ -379,11 +382,13 @@ def smoke_key(hostfile_path: str, dataset: str, model: str) -> str:
 
 def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str) -> tuple[LaunchResult, dict, list[str]]:
     """One launch: run it watched, sweep the hosts, fetch the artifacts, read the ranks' events."""
+    launch_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log_name.split('.')[0]}"
+    targs = [*targs, "--expect-world-size", str(hf.size), "--launch-id", launch_id]
     argv = launch_argv(args.hostfile, hf, args.python, args.remote_root, targs, args.port)
     event("launch", run=run_rel, world_size=hf.size, cmd=shlex.join(argv))
     res = run_watched(argv, paths.ROOT / run_rel / "logs" / log_name, args.watchdog)
     swept = sweep(hf, run_rel)
     fetched = fetch(hf, run_rel, args.remote_root)
-    ev = rank_events(paths.ROOT / run_rel)
+    ev = rank_events(paths.ROOT / run_rel, launch_id)
     ev["swept"], ev["fetched"] = swept, fetched
     return res, ev, argv
