@@ -337,7 +337,10 @@ def world(tmp_path_factory):
     made = [ds]
     yield {"tag": tag, "model": str(model), "dataset": tag, "dataset_sha256": sha, "made": made}
     for p in made:
-        shutil.rmtree(p, ignore_errors=True)
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def train_adapter(world, out: Path, iters: int, seed: int = 0) -> subprocess.Popen:
@@ -434,7 +437,7 @@ def trained(world):
     """Two real adapters: the dual one trained 8 steps, the control 12 (so their losses differ a little)."""
     run_id = f"{world['tag']}-e2e"
     dual_dir, ctl_dir = ROOT / "runs" / run_id, ROOT / "runs" / f"{run_id}-control"
-    world["made"] += [dual_dir, ctl_dir]
+    world["made"] += [dual_dir, ctl_dir, ROOT / ".stamps" / f"compare.{run_id}"]
     p_dual = train_adapter(world, dual_dir / "adapters", iters=8)
     p_ctl = train_adapter(world, ctl_dir / "adapters", iters=12)
     dual_loss, ctl_loss = mlx_test_loss(p_dual), mlx_test_loss(p_ctl)
