@@ -39,7 +39,7 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-def event(name: str, **fields: Any) -> str:
+def event(name: str, /, **fields: Any) -> str:
     """Print `name k v k v ...` on stdout, flushed, and return the line."""
     line = " ".join([name] + [f"{k} {fmt(v)}" for k, v in fields.items()])
     print(line, flush=True)
