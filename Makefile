@@ -204,6 +204,16 @@ demo:
 test: $(VENV)/.stamp
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+## fabric-up: multi-host test fabric of HOSTS hosts (1-4; Linux, root); then `. runs/fabric/env.sh`
+.PHONY: fabric-up
+fabric-up: $(VENV)/.stamp
+	$(PY) tests/fabric.py up --hosts $(HOSTS)
+
+## fabric-down: remove every namespace, process, link and file fabric-up made
+.PHONY: fabric-down
+fabric-down:
+	$(PY) tests/fabric.py down
+
 ## lint: ruff over bin/ lib/ tests/ bench/
 .PHONY: lint
 lint: $(VENV)/.stamp
