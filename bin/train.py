@@ -149,7 +149,7 @@ class RankLog:
         self.metrics = None
         self.t0 = time.monotonic()
 
-    def line(self, name: str, **fields) -> None:
+    def line(self, name: str, /, **fields) -> None:
         text = " ".join([name] + [f"{k} {fmt(v)}" for k, v in fields.items()])
         print(text, flush=True)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -166,6 +166,9 @@ class RankLog:
         ev = {"step": step, "kind": kind, "loss": None, "lr": None, "tokens": None, "tok_per_s": None,
               "peak_mem_gb": None, "wall_s": round(time.monotonic() - self.t0, 3)}
         ev.update(fields)
+        bad = [k for k, v in ev.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad:  # JSON has no NaN/inf: null, and name what was not finite
+            ev.update({k: None for k in bad}, nonfinite={k: str(ev[k]) for k in bad})
         if self.metrics is not None:
             self.metrics.write(jsonl.dumps(ev) + "\n")
             self.metrics.flush()
@@ -246,6 +249,11 @@ class Collective:
             raise Failure(f"rank(s) {ranks} failed (exit {code}); see their logs/rank-R.failure.json",
                           code, category, kind)
 
+    def gather(self, x):
+        if self.size == 1:
+            return x
+        return self.mx.distributed.all_gather(x, stream=self.mx.cpu)
+
     def bcast_bytes(self, data: bytes | None) -> bytes:
         import numpy as np
 
@@ -304,6 +312,21 @@ def dataset_identity(data_dir: Path) -> tuple[str, str, list[str]]:
     return str(man.get("dataset_sha256") or files_sha), files_sha, problems
 
 
+def check_data_files(cfg: dict) -> tuple[str, str]:
+    """The dataset folder and its train split exist and agree with its manifest:
+    (dataset_sha256, files_sha256)."""
+    data_dir = Path(cfg["data"])
+    if not data_dir.is_dir():
+        raise Failure(f"dataset folder {data_dir} not found on {socket.gethostname()} (cwd {os.getcwd()}); "
+                      "run `make export` and `make sync`", EXIT_DATA, DATA, "data")
+    if not (data_dir / "train.jsonl").is_file():
+        raise Failure(f"{data_dir}/train.jsonl not found on {socket.gethostname()}", EXIT_DATA, DATA, "data")
+    ds_sha, files_sha, problems = dataset_identity(data_dir)
+    if problems:
+        raise Failure(f"{data_dir}: " + "; ".join(problems) + "; re-run `make sync`", EXIT_DATA, DATA, "data")
+    return ds_sha, files_sha
+
+
 def load_data(cfg: dict, tokenizer, log: RankLog):
     """mlx-lm's datasets (ChatDataset & co via create_dataset, wrapped in CacheDataset),
     every record tokenized up front so a bad record fails here, naming file and line."""
@@ -312,11 +335,6 @@ def load_data(cfg: dict, tokenizer, log: RankLog):
     from mlx_lm.tuner.datasets import CacheDataset, create_dataset
 
     data_dir = Path(cfg["data"])
-    if not data_dir.is_dir():
-        raise Failure(f"dataset folder {data_dir} not found on {socket.gethostname()} (cwd {os.getcwd()}); "
-                      "run `make export` and `make sync`", EXIT_DATA, DATA, "data")
-    if not (data_dir / "train.jsonl").is_file():
-        raise Failure(f"{data_dir}/train.jsonl not found on {socket.gethostname()}", EXIT_DATA, DATA, "data")
     ns = types.SimpleNamespace(**cfg)
     out, counts, tokens, long = {}, {}, {}, 0
     for split in SPLITS:
@@ -676,20 +694,14 @@ def guarded(coll: Collective, fn, *a, **kw):
 
 
 def train(args, mx, group, backend: str, run_dir: Path, log: RankLog, ctx: dict) -> int:
-    import mlx.nn as nn
-    import mlx_lm
-    import numpy as np
-    from mlx.nn.utils import average_gradients
-    from mlx.utils import tree_flatten, tree_map, tree_unflatten
-    from mlx_lm.tuner.trainer import _clear_cache, default_loss, evaluate, grad_checkpoint, iterate_batches
-    from mlx_lm.utils import maybe_set_recommended_wired_limit
+    from importlib.metadata import version
 
     coll = Collective(mx, group)
     rank, world = coll.rank, coll.size
     host = socket.gethostname()
     joined = {"rank": rank, "world_size": world, "host": host, "backend": backend, "pid": os.getpid(),
               "launch_id": args.launch_id, "python": sys.executable, "platform": platform.platform(),
-              "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "cwd": os.getcwd(),
+              "mlx": mx.__version__, "mlx_lm": version("mlx-lm"), "cwd": os.getcwd(),
               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "phase": "initialized"}
     coll.sum(mx.array(1)).item()  # every rank reached this point: the group works both ways
     atomic.write_json(marker(run_dir, rank, "joined"), joined)
@@ -711,17 +723,18 @@ def train(args, mx, group, backend: str, run_dir: Path, log: RankLog, ctx: dict)
              batch_size=cfg["batch_size"], per_rank_batch=cfg["batch_size"] // world, iters=cfg["iters"],
              learning_rate=cfg["learning_rate"])
 
-    # ---- model and data ----
+    # ---- data files (cheap, before the slow imports), model, then the records ----
+    ds_sha, files_sha = guarded(coll, check_data_files, cfg)
+
+    import mlx.nn as nn
+    import numpy as np
+    from mlx.nn.utils import average_gradients
+    from mlx.utils import tree_flatten, tree_map, tree_unflatten
+    from mlx_lm.tuner.trainer import _clear_cache, default_loss, evaluate, grad_checkpoint, iterate_batches
+    from mlx_lm.utils import maybe_set_recommended_wired_limit
+
     model, tokenizer = guarded(coll, load_model, cfg)
-
-    def data():
-        ds_sha, files_sha, problems = dataset_identity(Path(cfg["data"]))
-        if problems:
-            raise Failure(f"{cfg['data']}: " + "; ".join(problems) + "; re-run `make sync`", EXIT_DATA, DATA, "data")
-        sets, counts, tokens = load_data(cfg, tokenizer, log)
-        return ds_sha, files_sha, sets, counts, tokens
-
-    ds_sha, files_sha, sets, counts, tokens = guarded(coll, data)
+    sets, counts, tokens = guarded(coll, load_data, cfg, tokenizer, log)
     shas = coll.gather_bytes(bytes.fromhex(files_sha))
     joined.update(phase="data-loaded", records=sum(counts.values()), records_by_split=counts,
                   tokens_by_split=tokens, dataset_sha256=ds_sha, files_sha256=files_sha, data=cfg["data"])
@@ -875,9 +888,17 @@ def train(args, mx, group, backend: str, run_dir: Path, log: RankLog, ctx: dict)
 
     iters, spr, spe, save_every = cfg["iters"], cfg["steps_per_report"], cfg["steps_per_eval"], cfg["save_every"]
     stop_at = args.stop_at_step
-    win = extra_state.get("window", {"loss": 0.0, "tokens": 0, "steps": 0})
-    win_loss = mx.array(win["loss"], dtype=mx.float32)
-    win_tokens = mx.array(win["tokens"], dtype=mx.int32)
+    # The report window (mlx-lm's `losses`, `n_tokens`, `steps`) is per rank: each rank
+    # gets its own back on resume (rank 0 the whole sum when the world size changed).
+    win = extra_state.get("window", {"loss": [0.0] * world, "tokens": [0] * world, "steps": 0})
+    if len(win["loss"]) == world:
+        my_loss, my_tokens = win["loss"][rank], win["tokens"][rank]
+    else:
+        scale = world / len(win["loss"])
+        my_loss = sum(win["loss"]) * scale if rank == 0 else 0.0
+        my_tokens = sum(win["tokens"]) if rank == 0 else 0
+    win_loss = mx.array(my_loss, dtype=mx.float32)
+    win_tokens = mx.array(my_tokens, dtype=mx.int32)
     win_steps = win["steps"]
     trained_tokens = extra_state.get("trained_tokens", 0)
     initial_loss = extra_state.get("initial_loss")
@@ -902,6 +923,8 @@ def train(args, mx, group, backend: str, run_dir: Path, log: RankLog, ctx: dict)
     def checkpoint(step_no, final=False):
         nonlocal t_ckpt
         tic = time.perf_counter()
+        losses = coll.gather(win_loss.astype(mx.float32).reshape(1)).tolist()
+        toks = coll.gather(win_tokens.astype(mx.int32).reshape(1)).tolist()
 
         def write():
             if rank != 0:
@@ -913,7 +936,7 @@ def train(args, mx, group, backend: str, run_dir: Path, log: RankLog, ctx: dict)
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "val_loss": last_val[1] if last_val and last_val[0] == step_no else None,
                 "rng": {"mx_key": [int(k[0]), int(k[1])]}, "data": order.state(),
-                "window": {"loss": float(win_loss.item()), "tokens": int(win_tokens.item()), "steps": win_steps},
+                "window": {"loss": losses, "tokens": toks, "steps": win_steps},
                 "trained_tokens": trained_tokens, "initial_loss": initial_loss,
             }
             path = save_checkpoint(mx, ckroot, step_no, model, optimizer, st, adapters_dir)

@@ -125,14 +125,16 @@ def _is_num(v: Any) -> bool:
 
 
 def _int(lo: int | None = None, allow: tuple = ()):
+    extra = f" (or {', '.join(map(str, allow))})" if allow else ""
+    want = f"an integer >= {lo}{extra}" if lo is not None else "an integer"
+
     def check(v):
         if not _is_int(v):
-            return "an integer"
+            return want
         if v in allow:
             return None
         if lo is not None and v < lo:
-            extra = f" (or {', '.join(map(str, allow))})" if allow else ""
-            return f"an integer >= {lo}{extra}"
+            return want
         return None
 
     return check
