@@ -49,6 +49,26 @@ def ssh_ok(fab, host, timeout=30):
     return fab.ssh(host, ["true"], timeout=timeout).returncode == 0
 
 
+# ---- where a fabric cannot exist ---------------------------------------------------------
+
+
+def test_unavailable_says_why_and_tests_skip_or_fail_under_require_fabric(monkeypatch):
+    import fabric as fabric_mod
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "needs root" in fabric_mod.unavailable()
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert fabric_mod.unavailable() == "`ip` not found: apt-get install iproute2"
+    monkeypatch.setattr(fabric_mod, "unavailable", lambda: "no sshd at /usr/sbin/sshd: apt-get install openssh-server")
+    monkeypatch.delenv("REQUIRE_FABRIC", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="fabric unavailable: no sshd"):
+        require_fabric()
+    monkeypatch.setenv("REQUIRE_FABRIC", "1")
+    with pytest.raises(pytest.fail.Exception, match="REQUIRE_FABRIC=1 but .* no sshd"):
+        require_fabric()
+
+
 # ---- integration: mlx.launch across fabric hosts ----------------------------------------
 
 
@@ -197,7 +217,7 @@ def test_sshd_stop_refuses_new_logins_keeps_sessions_and_start_restores(fabric_f
 
 def test_link_cut_partitions_a_host_and_restore_heals_it(fabric_faults):
     fab = fabric_faults
-    probe = f"timeout 3 bash -c '</dev/tcp/{fab.ip('fab3')}/22' && echo reachable || echo unreachable"
+    probe = f"timeout 2 bash -c '</dev/tcp/{fab.ip('fab3')}/22' && echo reachable || echo unreachable"
     assert fab.ssh("fab1", probe, check=True).stdout.strip() == "reachable"
     fab.cut_link("fab3")
     t0 = time.monotonic()
