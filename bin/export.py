@@ -52,7 +52,6 @@ import sys
 import time
 import zlib
 from fractions import Fraction
-from itertools import compress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -75,7 +74,7 @@ RECORD_FIELDS = ("messages", "prompt", "completion", "response", "instruction", 
 MESSAGE_FIELDS = ("role", "content")
 DATASET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 RAW_PREFIX = 500           # bytes of a rejected line kept in rejects.jsonl
-BLOCK = 1 << 21            # bytes read at a time; dedup is vectorized per block
+BLOCK = 1 << 19            # bytes read at a time; dedup is vectorized per block
 DERIVED_ID_PREFIX = "content:"
 
 # Every reject reason, in the order the report lists them; RUNBOOK.md has a heading
@@ -146,13 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-system-prompt", help="system message for `text` records ('' = none)")
     p.add_argument("--text-user-prompt", help="user message for `text` records")
     p.add_argument("--workers", type=int, default=default_workers(),
-                   help="processes that validate and shape lines (default: CPUs, at most 8; "
+                   help="processes that validate and shape lines (default: CPUs, at most 3; each holds ~25 MB; "
                    "1 = all in this process); the output does not depend on it")
     return p
 
 
 def default_workers() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    return max(1, min(3, os.cpu_count() or 1))
 
 
 def _as_float(value, key: str, where: str) -> float:
@@ -369,12 +368,15 @@ class Shaper:
         # [system,] user, then the assistant turn holds the text.
         self.text_prefix = messages_json(head)[:-1] + ", " + _ASSISTANT
         self.text_chars = sum(len(c) for _, c in head)
+        # Role sequences the fast path accepts: [system,] then user/assistant pairs.
+        pairs = [("user", "assistant") * k for k in range(1, 33)]
+        self.valid_orders = {p for q in pairs for p in (q, ("system", *q))}
         self.shape = self._make_shape()
 
     def _make_shape(self):
         """shape(obj) -> (messages JSON, content chars) or raise Reject; field names and
         constants are bound as closure variables (this runs once per line)."""
-        f, chat = self.f, self._chat
+        f, chat = self.f, self.chat_json
         k_msg, k_prompt, k_compl, k_resp = f["messages"], f["prompt"], f["completion"], f["response"]
         k_ins, k_input, k_out, k_text = f["instruction"], f["input"], f["output"], f["text"]
         text_prefix, text_chars = self.text_prefix, self.text_chars
@@ -384,8 +386,7 @@ class Shaper:
             get = obj.get
             m = get(k_msg, missing)
             if m is not missing:
-                pairs = chat(m)
-                return messages_json(pairs), sum(len(c) for _, c in pairs)
+                return chat(m)
             p = get(k_prompt, missing)
             if p is not missing:
                 c = get(k_compl, missing)
@@ -422,6 +423,23 @@ class Shaper:
             return f"[{user_h}{enc(user)}}}, {asst_h}{enc(out)}}}]", len(user) + len(out)
 
         return shape
+
+    def chat_json(self, m) -> tuple[str, int]:
+        """(messages JSON, content chars) of a `messages` list, or raise Reject. The usual
+        case (a list of {role, content} strings in a valid order) takes no Python loop."""
+        fr, fc = self.f["role"], self.f["content"]
+        if type(m) is list:
+            try:
+                roles = tuple([self.roles[x[fr]] for x in m])
+                contents = [x[fc] for x in m]
+            except (KeyError, TypeError, IndexError):
+                roles = None
+            if (roles in self.valid_orders and set(map(type, contents)) == {str}
+                    and all(contents) and not any(map(str.isspace, contents))):
+                return ("[" + ", ".join([f"{_ROLE_HEAD[r]}{_ENC(c)}}}" for r, c in zip(roles, contents, strict=True)])
+                        + "]", sum(map(len, contents)))
+        pairs = self._chat(m)  # the slow path: finds and names what is wrong
+        return messages_json(pairs), sum(len(c) for _, c in pairs)
 
     def _chat(self, m) -> list[tuple[str, str]]:
         name = self.f["messages"]
@@ -545,7 +563,7 @@ class DigestIndex:
     vectorized per batch, with the batch's keys sorted (searchsorted walks the arrays in order).
     """
 
-    SMALL_MAX = 1 << 17
+    SMALL_MAX = 1 << 15
 
     def __init__(self, with_values: bool):
         import numpy as np
@@ -599,21 +617,24 @@ class DigestIndex:
         return res
 
     @staticmethod
-    def _merge(cols: list[np.ndarray], new: list[np.ndarray]) -> list[np.ndarray]:
+    def _merge(cols: list[np.ndarray], new: list[np.ndarray]) -> None:
+        """Insert `new` into the sorted columns in place of the old ones, one column at a
+        time, so the merge needs one column's worth of extra memory, not the index's."""
         import numpy as np
 
         order = np.argsort(new[0], kind="stable")
         pos = np.searchsorted(cols[0], new[0][order])
-        return [np.insert(c, pos, x[order]) for c, x in zip(cols, new, strict=True)]
+        for i, x in enumerate(new):
+            cols[i] = np.insert(cols[i], pos, x[order])
 
     def add(self, new: list[np.ndarray]) -> None:
         """Insert keys known to be absent."""
         if len(new[0]):
-            self.small = self._merge(self.small, new)
+            self._merge(self.small, new)
         if len(self.small[0]) > self.SMALL_MAX:
             import numpy as np
 
-            self.big = self._merge(self.big, self.small)
+            self._merge(self.big, self.small)
             self.small = [np.empty(0, np.uint64) for _ in range(self.ncols)]
 
 
@@ -631,7 +652,7 @@ class Writer:
         import queue
         import threading
 
-        self.q: queue.Queue = queue.Queue(maxsize=16)
+        self.q: queue.Queue = queue.Queue(maxsize=4)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="export-writer", daemon=True)
         self.thread.start()
@@ -680,11 +701,10 @@ class Out:
         self.bytes = 0
         self.records = 0
 
-    def write(self, lines: list[bytes]) -> None:
-        if lines:
-            data = b"".join(lines)
+    def write(self, data: bytes, records: int) -> None:
+        if data:
             self.bytes += len(data)
-            self.records += len(lines)
+            self.records += records
             self.writer.put(self, data)
 
     def close(self) -> dict:
@@ -748,19 +768,12 @@ def read_chunks(reader, limit: int):
 _W: dict = {}  # per-process state: the Shaper and settings, set by init_worker
 
 
-def init_worker(s: dict, parent: int | None = None) -> None:
+def init_worker(s: dict) -> None:
+    t1, t2 = split_thresholds(s["ratios"])
     _W.clear()
     _W.update(shaper=Shaper(s), max_chars=s["max_chars"], line_limit=line_limit(s),
-              wcache={_MISSING: ', "weight": 1.0'}, scache={})
-    if parent is not None:  # a pool worker: leave when the exporter is gone (even SIGKILLed)
-        import threading
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(0.5)
-            os._exit(1)
-
-        threading.Thread(target=watch, daemon=True).start()
+              wcache={_MISSING: ', "weight": 1.0'}, scache={},
+              bounds=(t1.to_bytes(8, "big"), t2.to_bytes(8, "big")))
 
 
 def line_limit(s: dict) -> int:
@@ -768,36 +781,63 @@ def line_limit(s: dict) -> int:
 
 
 def process_chunk(chunk: bytes, fname: str, base: int) -> tuple:
-    """Validate and shape every line of a chunk. Returns (lines in chunk, output lines,
-    record_id digests, content digests (16 bytes each, joined), flags (bit 1 derived
-    record_id, 2 default weight, 4 default source), line index of each output line,
-    rejects as (line index, reason, reject line))."""
+    """Validate, shape and split every line of a chunk (the order of its lines kept).
+
+    Returns (lines in the chunk, per split: its output lines joined and their end offsets,
+    per output line: its split (a byte), record_id and content digests (16 bytes each,
+    joined), flags (bit 1 derived record_id, 2 default weight, 4 default source) and line
+    index; rejects as (line index, reason, reject line)). The main process decides what a
+    duplicate drops; a split's bytes go to the file as they are when nothing is dropped.
+    """
+    from array import array
+    from itertools import accumulate
+
     shaper = _W["shaper"]
     shape = shaper.shape
     f_rid, f_weight, f_source = (shaper.f[k] for k in ("record_id", "weight", "source"))
     max_chars, limit = _W["max_chars"], _W["line_limit"]
+    b1, b2 = _W["bounds"]
     wcache = _W["wcache"]
     scache = _W["scache"].setdefault(fname, {_MISSING: f', "source": {_ENC(fname)}}}\n'})
     sha = hashlib.sha256
     scan = _SCAN
-    lines = chunk.split(b"\n")
-    out_lines: list[bytes] = []
+    raw_lines: list[bytes] | None = None
+    try:  # one decode for the whole chunk; line by line only when it has bad UTF-8
+        lines: list = chunk.decode("utf-8").split("\n")
+        is_text = True
+    except UnicodeDecodeError:
+        lines = raw_lines = chunk.split(b"\n")
+        is_text = False
+    maybe_surrogates = b"\\ud" in chunk or b"\\uD" in chunk  # one scan for the chunk
+    outs: tuple[list, list, list] = ([], [], [])
+    split = bytearray()
     rds: list[bytes] = []
     cds: list[bytes] = []
     flags = bytearray()
     pos: list[int] = []
     rejects: list[tuple] = []
-    for i, raw in enumerate(lines):
+    out_append = [o.append for o in outs]  # bound once: this loop runs per line
+    split_append, flag_append, pos_append = split.append, flags.append, pos.append
+    rd_append, cd_append = rds.append, cds.append
+    for i, line in enumerate(lines):
         try:
-            if len(raw) > limit:
-                raise Reject("too_long", f"line is over max_line_bytes {limit} "
-                             "(8 x max_chars + 64 KiB)")
-            if not raw or raw[0] != 123 and raw.isspace():  # 123 is '{'
-                raise Reject("blank_line", "empty or whitespace-only line")
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise Reject("non_utf8", f"byte {e.start}: {e.reason}") from None
+            if is_text:
+                text = line
+                if len(text) > limit or (4 * len(text) > limit and len(text.encode()) > limit):
+                    raise Reject("too_long", f"line is over max_line_bytes {limit} "
+                                 "(8 x max_chars + 64 KiB)")
+                if not text or text[0] != "{" and text.isspace():
+                    raise Reject("blank_line", "empty or whitespace-only line")
+            else:
+                if len(line) > limit:
+                    raise Reject("too_long", f"line is over max_line_bytes {limit} "
+                                 "(8 x max_chars + 64 KiB)")
+                if not line or line[0] != 123 and line.isspace():  # 123 is '{'
+                    raise Reject("blank_line", "empty or whitespace-only line")
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise Reject("non_utf8", f"byte {e.start}: {e.reason}") from None
             try:  # the C scanner json.loads uses, without its per-call overhead
                 obj, end = scan(text, 0)
                 if end != len(text) and not text[end:].isspace():
@@ -809,7 +849,7 @@ def process_chunk(chunk: bytes, fname: str, base: int) -> tuple:
             mj, n = shape(obj)
             if n > max_chars:
                 raise Reject("too_long", f"content is {n} chars, over max_chars {max_chars}")
-            if (b"\\ud" in raw or b"\\uD" in raw) and has_lone_surrogate(obj):
+            if maybe_surrogates and ("\\ud" in text or "\\uD" in text) and has_lone_surrogate(obj):
                 raise Reject("non_utf8", "a string holds half a UTF-16 surrogate pair "
                              "(a lone \\ud800-\\udfff escape)")
             get = obj.get
@@ -839,14 +879,23 @@ def process_chunk(chunk: bytes, fname: str, base: int) -> tuple:
             cd = sha(mb).digest()[:16]
             if fl & 1:
                 rid = DERIVED_ID_PREFIX + cd.hex()
-            rds.append(sha(rid.encode()).digest()[:16])
-            cds.append(cd)
-            out_lines.append(f'{{"messages": {mj}, "record_id": {_ENC(rid)}{wt}{st}'.encode())
-            flags.append(fl)
-            pos.append(i)
+            rd = sha(rid.encode()).digest()[:16]
+            # The split: rd's first 8 bytes against the bounds (bytes compare as big-endian).
+            sp = 0 if rd < b1 else 1 if rd < b2 else 2
+            out_append[sp](f'{{"messages": {mj}, "record_id": {_ENC(rid)}{wt}{st}'.encode())
+            split_append(sp)
+            rd_append(rd)
+            cd_append(cd)
+            flag_append(fl)
+            pos_append(i)
         except Reject as r:
-            rejects.append((i, r.reason, reject_line(fname, base + i + 1, raw, r.reason, r.detail)))
-    return len(lines), out_lines, b"".join(rds), b"".join(cds), bytes(flags), pos, rejects
+            if raw_lines is None:
+                raw_lines = chunk.split(b"\n")
+            rejects.append((i, r.reason, reject_line(fname, base + i + 1, raw_lines[i],
+                                                      r.reason, r.detail)))
+    return (len(lines), [b"".join(o) for o in outs],
+            [array("Q", accumulate(map(len, o))) for o in outs], bytes(split),
+            b"".join(rds), b"".join(cds), bytes(flags), array("I", pos), rejects)
 
 
 _SCAN = json.decoder.JSONDecoder().scan_once
@@ -884,9 +933,9 @@ class Exporter:
         return state, rep
 
     def take(self, chunk: bytes, fname: str, base: int, result: tuple) -> None:
-        """Dedup, split and write one chunk's result; `base` is the line number before it."""
+        """Dedup and write one chunk's result; `base` is the line number before the chunk."""
         np = self.np
-        _, out_lines, rds, cds, flags, pos, rejects = result
+        _, blobs, ends, split_b, rds, cds, flags, pos, rejects = result
         conflicts = []
         if pos:
             rk = as_u64(rds)
@@ -924,9 +973,17 @@ class Exporter:
             if new_c:
                 new = [np.concatenate([a, b]) for a, b in zip(new, as_u64(b"".join(new_c)), strict=True)]
             self.contents.add(new)
-            split = (rk[0] >= self.u1).astype(np.int8) + (rk[0] >= self.u2).astype(np.int8)
+            split = np.frombuffer(split_b, np.uint8)
             for k, name in enumerate(SPLITS):
-                self.outs[name].write(list(compress(out_lines, (keep & (split == k)).tolist())))
+                kk = keep[split == k]
+                if kk.all():  # nothing dropped: the worker's bytes as they are
+                    self.outs[name].write(blobs[k], len(kk))
+                else:
+                    e = np.frombuffer(ends[k], np.uint64).tolist()
+                    starts = [0, *e[:-1]]
+                    blob = blobs[k]
+                    sel = np.nonzero(kk)[0].tolist()
+                    self.outs[name].write(b"".join([blob[starts[i]:e[i]] for i in sel]), len(sel))
             fl = np.frombuffer(flags, np.uint8)[keep]
             if fl.any():
                 for bit, key in ((1, "record_id"), (2, "weight"), (4, "source")):
@@ -942,7 +999,8 @@ class Exporter:
             rejects.sort(key=lambda r: r[0])
         for _, reason, _ in rejects:
             self.by_reason[reason] += 1
-        self.outs["rejects"].write([r[2] for r in rejects])
+        if rejects:
+            self.outs["rejects"].write(b"".join(r[2] for r in rejects), len(rejects))
 
     def close(self) -> dict:
         self.writer.close()
@@ -1010,32 +1068,102 @@ def reader_thread(files: list[Path], limit: int, depth: int):
     return q, stop
 
 
+class Pool:
+    """`--workers N`: N `bin/export.py --worker` processes, fed chunks round-robin over
+    their stdin and answering on their stdout (pickles). One chunk in flight per worker;
+    results are taken back in submission order, so the output never depends on N. A worker
+    reads until its stdin closes: when the exporter exits, or is killed, its workers end too.
+    """
+
+    def __init__(self, n: int, s: dict):
+        import pickle
+        import subprocess
+
+        self.pickle = pickle
+        self.procs = []
+        for _ in range(n):
+            p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self.procs.append(p)
+            self._send(p, s)
+
+    def _send(self, p, obj) -> None:
+        self.pickle.dump(obj, p.stdin, protocol=self.pickle.HIGHEST_PROTOCOL)
+        p.stdin.flush()
+
+    def submit(self, k: int, task: tuple) -> None:
+        self._send(self.procs[k], task)
+
+    def result(self, k: int) -> tuple:
+        p = self.procs[k]
+        try:
+            kind, value = self.pickle.load(p.stdout)
+        except EOFError:
+            raise RuntimeError(f"export worker {p.pid} died (exit {p.wait()}); its error is "
+                               "above") from None
+        if kind == "error":
+            raise RuntimeError(f"export worker {p.pid} failed:\n{value}")
+        return value
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except Exception:
+                p.kill()
+                p.wait()
+
+
+def worker_main() -> int:
+    """The loop of one `bin/export.py --worker` process (see Pool)."""
+    import pickle
+    import traceback
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the exporter; it ends us
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    try:
+        init_worker(pickle.load(inp))
+        while True:
+            try:
+                task = pickle.load(inp)
+            except EOFError:
+                return 0
+            try:
+                answer = ("ok", process_chunk(*task))
+            except Exception:
+                answer = ("error", traceback.format_exc())
+            pickle.dump(answer, out, protocol=pickle.HIGHEST_PROTOCOL)
+            out.flush()
+    except (BrokenPipeError, EOFError):  # the exporter is gone
+        return 1
+
+
 def run_export(files: list[Path], tmp: Path, s: dict, workers: int = 1) -> dict:
     """Stream every line of `files` into tmp/{train,valid,test,rejects}.jsonl; return the facts.
 
     A reader thread reads the files in chunks of whole lines (hashing their bytes);
-    `workers` processes (or this one) validate and shape each chunk's lines; this process
-    takes the results in input order, deduplicates them as a batch (vectorized lookups;
-    lines sharing a key with anything go one by one, in line order), splits them by
-    record_id and hands them to a writer thread. Only the two digest indexes grow with the
-    input; at most 2 x workers + 4 chunks are in memory.
+    `workers` processes (or this one) validate, shape and split each chunk's lines; this
+    process takes the results in input order, deduplicates them as a batch (vectorized
+    lookups; lines sharing a key with anything go one by one, in line order) and hands the
+    bytes to a writer thread. Only the two digest indexes grow with the input; about
+    workers + 6 chunks are in memory at a time.
     """
-    from collections import deque
-
     ex = Exporter(tmp, s)
     sources = []
     pool = None
-    inflight: deque = deque()
-    q, stop = reader_thread(files, line_limit(s), depth=4)
+    q, stop = reader_thread(files, line_limit(s), depth=2)
     try:
         if workers > 1:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
-            pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=init_worker, initargs=(s, os.getpid()))
+            pool = Pool(workers, s)
+            slots: list = [None] * workers
         else:
             init_worker(s)
+        i = 0
         while True:
             item = q.get()
             if item[0] == "chunk":
@@ -1043,19 +1171,22 @@ def run_export(files: list[Path], tmp: Path, s: dict, workers: int = 1) -> dict:
                 if pool is None:
                     ex.take(chunk, fname, base, process_chunk(chunk, fname, base))
                     continue
-                inflight.append((chunk, fname, base, pool.submit(process_chunk, chunk, fname, base)))
-                while len(inflight) > 2 * workers:
-                    chunk, fname, base, fut = inflight.popleft()
-                    ex.take(chunk, fname, base, fut.result())
+                k = i % workers
+                if slots[k] is not None:  # chunk i - workers, the oldest in flight
+                    ex.take(*slots[k], pool.result(k))
+                pool.submit(k, (chunk, fname, base))
+                slots[k] = (chunk, fname, base)
+                i += 1
             elif item[0] == "file":
                 sources.append(item[1])
             elif item[0] == "error":
                 raise item[1]
             else:
                 break
-        while inflight:
-            chunk, fname, base, fut = inflight.popleft()
-            ex.take(chunk, fname, base, fut.result())
+        if pool is not None:
+            for j in range(i, i + workers):
+                if slots[j % workers] is not None:
+                    ex.take(*slots[j % workers], pool.result(j % workers))
         files_meta = ex.close()
     except BaseException:
         ex.abort()
@@ -1063,7 +1194,7 @@ def run_export(files: list[Path], tmp: Path, s: dict, workers: int = 1) -> dict:
     finally:
         stop.set()
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.close()
 
     c = {"input": sum(x["lines"] for x in sources), "rejected": sum(ex.by_reason.values()),
          "duplicates": ex.duplicates}
@@ -1171,6 +1302,8 @@ def _sigterm(signum, frame):
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--worker"]:
+        return worker_main()
     args = build_parser().parse_args()
     signal.signal(signal.SIGTERM, _sigterm)
     t0 = time.monotonic()
