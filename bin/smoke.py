@@ -47,6 +47,8 @@ def main() -> int:
         paths.check_run_id(args.run)
         hf = load_hostfile(args.hostfile)
         cfg = load_config(args.config)
+        if args.watchdog is None and cfg.get("watchdog_s"):
+            args.watchdog = float(cfg["watchdog_s"])
     except (RunbookError, ValueError) as e:
         return die(e, 2)
     iters, save_every = int(cfg["iters"]), int(cfg["save_every"])
