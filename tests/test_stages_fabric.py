@@ -1,0 +1,242 @@
+"""sync, smoke and their failure modes across the multi-host test fabric, through make.
+
+Every stage runs exactly as an operator runs it against the Macs: `make <stage>` with the
+fabric's hostfile, REMOTE_ROOT, PYTHON and ssh config (env.sh's environment); only the
+hostfile and the ssh config differ from the real thing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+
+import pytest
+from conftest import PY, ROOT, make
+
+pytestmark = [pytest.mark.fabric, pytest.mark.slow]
+
+DATASET = "domain_sft_v1_high_signal_thunder"
+MODEL = "models/tiny-gemma4"
+
+
+def fab_vars(fabric, hosts, run, **extra):
+    hf = fabric.hostfile(hosts)
+    v = {"RUN": run, "HOSTFILE": str(hf), "REMOTE_ROOT": fabric.remote_root, "PYTHON": fabric.python,
+         "MODEL": MODEL, "DATASET": DATASET}
+    v.update(extra)
+    return [f"{k}={val}" for k, val in v.items()]
+
+
+def fmake(fabric, *args, check=True, timeout=600):
+    return make(*args, check=check, env=fabric.env(), timeout=timeout)
+
+
+def host_file(fabric, host, rel):
+    return fabric.backing_dir(host) / rel
+
+
+def no_trainer_left(fabric, hosts):
+    return {h: fabric.procs(h, r"bin/train\.py") for h in hosts}
+
+
+def parity(fabric, hosts, run="parity"):
+    return fmake(fabric, "check-parity", *fab_vars(fabric, hosts, run), "JSON=1", check=False)
+
+
+def test_sync_then_parity_then_byte_flip_and_repair(fabric_faults):
+    fabric = fabric_faults
+    hosts = ["fab1", "fab2"]
+    p = fmake(fabric, "sync", *fab_vars(fabric, hosts, "fab-sync"))
+    assert len(re.findall(r"status verified", p.stdout)) == 2, p.stdout
+    local_manifest = (ROOT / "datasets" / DATASET / "manifest.json").read_bytes()
+    for h in hosts:
+        assert host_file(fabric, h, f"datasets/{DATASET}/manifest.json").read_bytes() == local_manifest
+    p = parity(fabric, hosts)
+    out = json.loads(p.stdout)
+    assert p.returncode == 0 and out["status"] == "OK", p.stdout
+
+    # Nothing changed: the re-sync transfers nothing.
+    p = fmake(fabric, "sync", *fab_vars(fabric, hosts, "fab-sync"))
+    assert p.stdout.count("actions none bytes 0") == 2, p.stdout
+
+    # Flip one byte of a split on fab2 (same size, same mtime): parity names the host and file.
+    target = host_file(fabric, "fab2", f"datasets/{DATASET}/valid.jsonl")
+    st = target.stat()
+    data = bytearray(target.read_bytes())
+    data[5] ^= 0x20
+    target.write_bytes(bytes(data))
+    import os
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    p = parity(fabric, hosts)
+    out = json.loads(p.stdout)
+    assert p.returncode == 2, p.stdout
+    bad = [c for c in out["checks"] if c["status"] == "fail"]
+    assert bad and all(c["host"] == "fab2" for c in bad) and any("valid.jsonl" in c["detail"] for c in bad), bad
+    # sync repairs it.
+    p = fmake(fabric, "sync", *fab_vars(fabric, hosts, "fab-sync"))
+    assert "fab2 status verified actions dataset" in p.stdout
+    assert parity(fabric, hosts).returncode == 0
+    sync_json = json.loads((ROOT / "runs/fab-sync/sync.json").read_text())
+    assert [h["host"] for h in sync_json["hosts"]] == hosts and sync_json["ok"]
+
+
+def test_sync_killed_mid_transfer_keeps_previous_dataset(fabric_faults, tmp_path):
+    fabric = fabric_faults
+    hosts = ["fab3"]
+    fmake(fabric, "sync", *fab_vars(fabric, hosts, "fab-sync-kill"))
+    ddir = host_file(fabric, "fab3", f"datasets/{DATASET}")
+    before = {f.name: f.read_bytes() for f in ddir.iterdir()}
+    # Make the host's copy stale so the next sync must transfer, slowed so the kill lands mid-way.
+    (ddir / "train.jsonl").write_bytes(b"")
+    stale = {f.name: f.read_bytes() for f in ddir.iterdir()}
+    hf = fabric.hostfile(hosts)
+    p = subprocess.Popen([PY, "bin/sync.py", "--hostfile", str(hf), "--remote-root", fabric.remote_root,
+                          "--dataset", DATASET, "--bwlimit", "100"], cwd=ROOT, env=fabric.env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    staging = ddir.parent / f".{DATASET}.incoming"
+    deadline = time.time() + 30
+    while time.time() < deadline and not staging.exists():
+        time.sleep(0.05)
+    assert staging.exists(), "the transfer never started"
+    time.sleep(0.5)
+    import os
+    import signal
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    fabric.ssh("fab3", ["pkill", "-KILL", "rsync"])  # the receiving side of the killed transfer
+    assert {f.name: f.read_bytes() for f in ddir.iterdir()} == stale, "the dataset changed mid-sync"
+    fmake(fabric, "sync", *fab_vars(fabric, hosts, "fab-sync-kill"))
+    assert {f.name: f.read_bytes() for f in ddir.iterdir()} == before
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_smoke_on_fabric(fabric_faults, n):
+    fabric = fabric_faults
+    hosts = fabric.hosts[:n]
+    run = f"fab-smoke-{n}"
+    p = fmake(fabric, "smoke", *fab_vars(fabric, hosts, run), timeout=900)
+    summary = json.loads((ROOT / f"runs/{run}/smoke.json").read_text())
+    assert summary["ok"] and summary["world_size"] == n, summary
+    for name in ("joined", "real_data", "checkpoint", "validation", "resume"):
+        assert summary["criteria"][name]["ok"], (name, summary["criteria"][name])
+    assert f"{n}/{n} ranks joined with world size [{n}]" in p.stdout
+    # Every rank's log came home; the checkpoint came from rank 0's host.
+    logs = ROOT / f"runs/{run}/smoke/logs"
+    assert {f"rank-{r}.log" for r in range(n)} <= {f.name for f in logs.iterdir()}
+    assert (ROOT / f"runs/{run}/smoke/checkpoints/latest").is_file()
+    # Rank 0 ran on fab1 and rank n-1 on its own host.
+    joined = {r: json.loads((logs / f"rank-{r}.joined.json").read_text()) for r in range(n)}
+    assert len({j["host"] for j in joined.values()}) == n
+    assert (ROOT / f"runs/{run}/reproduce.sh").read_text().count("make smoke") == 1
+    assert not any(no_trainer_left(fabric, hosts).values())
+
+
+def smoke_fail(fabric, hosts, run, *extra, timeout=600):
+    p = fmake(fabric, "smoke", *fab_vars(fabric, hosts, run, *extra), check=False, timeout=timeout)
+    assert p.returncode != 0
+    summary_path = ROOT / f"runs/{run}/smoke.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    return p, summary
+
+
+def test_rank_killed_mid_run_ends_launch_promptly(fabric_faults):
+    fabric = fabric_faults
+    hosts = ["fab1", "fab2"]
+    run = "fab-kill"
+    # A long smoke (many steps) so the kill lands mid-run.
+    result = {}
+    cfg = ROOT / "runs" / "fab-kill.yaml"
+    cfg.parent.mkdir(exist_ok=True)
+    cfg.write_text((ROOT / "configs/smoke.yaml").read_text().replace("iters: 6", "iters: 400")
+                   .replace("save_every: 3", "save_every: 200"))
+    t = threading.Thread(target=lambda: result.__setitem__("p", fmake(
+        fabric, "smoke", *fab_vars(fabric, hosts, run, SMOKE_CONFIG=str(cfg)), check=False, timeout=600)))
+    t.start()
+    log = ROOT / f"runs/{run}/smoke/logs/launch-1.log"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (log.exists() and re.search(r"iter [3-9]\d* rank", log.read_text())):
+        time.sleep(0.2)
+    killed_at = time.time()
+    assert fabric.kill("fab2", r"bin/train\.py"), "no rank process found on fab2"
+    t.join(timeout=120)
+    assert not t.is_alive(), "the launch did not end after rank 1 was killed"
+    ended = time.time() - killed_at
+    assert ended < 60, f"the launch took {ended:.0f} s to end after rank 1 died"
+    assert result["p"].returncode != 0
+    assert not any(no_trainer_left(fabric, hosts).values()), "a rank process outlived the launch"
+
+
+def test_frozen_rank_trips_watchdog(fabric_faults):
+    fabric = fabric_faults
+    hosts = ["fab1", "fab2"]
+    run = "fab-freeze"
+    cfg = ROOT / "runs" / "fab-freeze.yaml"
+    cfg.write_text((ROOT / "configs/smoke.yaml").read_text().replace("iters: 6", "iters: 400")
+                   .replace("save_every: 3", "save_every: 200"))
+    result = {}
+    t = threading.Thread(target=lambda: result.__setitem__("p", fmake(
+        fabric, "smoke", *fab_vars(fabric, hosts, run, SMOKE_CONFIG=str(cfg), WATCHDOG="15"), check=False, timeout=600)))
+    t.start()
+    log = ROOT / f"runs/{run}/smoke/logs/launch-1.log"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (log.exists() and re.search(r"iter [2-9]\d* rank", log.read_text())):
+        time.sleep(0.2)
+    assert fabric.freeze("fab2", r"bin/train\.py")
+    t.join(timeout=180)
+    assert not t.is_alive()
+    p = result["p"]
+    assert "hang / link partition" in p.stderr and "RUNBOOK.md#hang-or-link-partition" in p.stderr, p.stderr[-2000:]
+    summary = json.loads((ROOT / f"runs/{run}/smoke.json").read_text())
+    assert summary["category"] == "hang / link partition" and summary["watchdog_fired"]
+    assert not any(no_trainer_left(fabric, hosts).values())
+
+
+def test_absurd_learning_rate_is_stability(fabric_faults):
+    fabric = fabric_faults
+    cfg = ROOT / "runs" / "fab-lr.yaml"
+    cfg.write_text((ROOT / "configs/smoke.yaml").read_text().replace("learning_rate: 1e-5", "learning_rate: 1e6"))
+    p, summary = smoke_fail(fabric, ["fab1", "fab2"], "fab-lr", f"SMOKE_CONFIG={cfg}")
+    assert summary["category"] == "learning rate or quantized LoRA stability", summary
+    assert "RUNBOOK.md#learning-rate-or-lora-stability" in p.stderr
+
+
+def test_dataset_missing_on_one_host_is_path_category(fabric_faults):
+    fabric = fabric_faults
+    hosts = ["fab1", "fab2"]
+    fmake(fabric, "sync", *fab_vars(fabric, hosts, "fab-nodata"))
+    # Remove the dataset on fab2 behind make's back, then launch the trainer directly (smoke
+    # itself would re-sync and repair it first: that is the point of re-syncing).
+    import shutil
+    shutil.rmtree(host_file(fabric, "fab2", f"datasets/{DATASET}"))
+    hf = fabric.hostfile(hosts)
+    p = subprocess.run([PY, "bin/run.py", "--stage", "train", "--skip-smoke-check", "--run", "fab-nodata",
+                        "--hostfile", str(hf), "--config", "configs/smoke.yaml", "--model", MODEL,
+                        "--dataset", DATASET, "--remote-root", fabric.remote_root, "--python", fabric.python],
+                       cwd=ROOT, env=fabric.env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode != 0
+    summary = json.loads((ROOT / "runs/fab-nodata/train.json").read_text())
+    assert summary["category"] == "export format or path consistency", summary
+    assert "RUNBOOK.md#export-format-or-path-consistency" in p.stderr
+
+
+def test_wrong_interpreter_on_one_host_is_runtime_parity(fabric_faults):
+    fabric = fabric_faults
+    hosts = ["fab1", "fab2"]
+    fmake(fabric, "sync", *fab_vars(fabric, hosts, "fab-nopy"))
+    fabric.hide_python("fab2")
+    hf = fabric.hostfile(hosts)
+    p = subprocess.run([PY, "bin/run.py", "--stage", "train", "--skip-smoke-check", "--run", "fab-nopy",
+                        "--hostfile", str(hf), "--config", "configs/smoke.yaml", "--model", MODEL,
+                        "--dataset", DATASET, "--remote-root", fabric.remote_root, "--python", fabric.python],
+                       cwd=ROOT, env=fabric.env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode != 0
+    summary = json.loads((ROOT / "runs/fab-nopy/train.json").read_text())
+    assert summary["category"] == "runtime parity", summary
+    assert "RUNBOOK.md#runtime-parity" in p.stderr
+    # And make smoke refuses before launching: check-parity fails on that host.
+    p = fmake(fabric, "smoke", *fab_vars(fabric, hosts, "fab-nopy"), check=False)
+    assert p.returncode != 0 and "fab2" in p.stdout + p.stderr
+    assert not (ROOT / "runs/fab-nopy/smoke.json").exists()
