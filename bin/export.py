@@ -227,7 +227,7 @@ def check_settings(s: dict, where: str) -> dict:
 
 def resolve_settings(args) -> dict:
     s = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}
-    where = "defaults"
+    where = "the command line"
     if args.config:
         import yaml
 
@@ -240,7 +240,7 @@ def resolve_settings(args) -> dict:
         if not isinstance(loaded, dict):
             raise fail(f"{args.config}: expected a mapping of settings", "export-bad-settings")
         s.update(loaded)
-        where = f"{args.config} (or the command line)"
+        where = f"{args.config} or the command line"
     if args.field:
         s["fields"] = {**(s["fields"] if isinstance(s["fields"], dict) else {}),
                        **_pairs(args.field, "--field")}

@@ -640,3 +640,16 @@ def test_bench_quick_run_prints_its_figures(tmp_path):
              "--max-rss-mb", "100000"], timeout=300)
     assert "export_wall_s:" in p.stdout and "ratio" in p.stdout
     assert "export_peak_rss_mb:" in p.stdout and "bench_export OK" in p.stdout
+
+
+def test_every_anchor_the_exporter_names_is_a_runbook_heading():
+    slugs = set()
+    for line in (ROOT / "RUNBOOK.md").read_text().splitlines():
+        m = re.match(r"^#{1,6}\s+(.*)$", line)
+        if m:  # GitHub's rule: lower case, punctuation but - and _ dropped, spaces to -
+            slugs.add(re.sub(r"[^\w\- ]", "", m[1].strip().lower()).replace(" ", "-"))
+    src = (ROOT / "bin" / "export.py").read_text()
+    named = set(re.findall(r'"(export-[a-z-]+)"\)', src)) | {f"reject-{r}" for r in exp.REASONS}
+    assert len(named) > len(exp.REASONS) + 3
+    assert named - slugs == set()
+    assert "export" in slugs
