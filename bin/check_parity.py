@@ -219,6 +219,8 @@ def eval_runtime(host: str, f: dict, ref: dict, pins: dict, fixes: dict) -> list
         return out
     if py.get("fallback"):
         why = "does not exist" if not py.get("exists") else "exists but does not run"
+        if py.get("exists") and py.get("why"):
+            why += f" ({' | '.join(py['why'].splitlines()[-2:])[:300]})"
         out.append(check("runtime.python", host, "fail", f"PYTHON {py['requested']} {why} on this host",
                          fixes["provision"]))
         return out
@@ -230,7 +232,7 @@ def eval_runtime(host: str, f: dict, ref: dict, pins: dict, fixes: dict) -> list
         problems.append(f"Python {ver}, but {ref['pyver']} on {ref['ver_hosts']}")
     elif ver != ref["pyver"]:
         warns.append(f"Python {ver}, but {ref['pyver']} on {ref['ver_hosts']} (patch level differs)")
-    detail = "; ".join(problems or warns) or f"{py['requested']} -> {real} (Python {ver})"
+    detail = "; ".join(problems + warns) or f"{py['requested']} -> {real} (Python {ver})"
     out.append(check("runtime.python", host, "fail" if problems else "warn" if warns else "pass", detail,
                      fixes["provision"] if problems or warns else ""))
 
@@ -448,7 +450,7 @@ def eval_link(host: str, f: dict, args, fixes: dict) -> list[dict]:
                          f"round trip above {args.rtt_warn_ms:g} ms: {shown} (TCP :{args.link_port})",
                          "the ring may be running over Wi-Fi/Ethernet, not Thunderbolt; see RUNBOOK.md#parity-link"))
     else:
-        out.append(check("link.rtt", host, "pass", f"{shown} (TCP :{args.link_port}, min of 3)"))
+        out.append(check("link.rtt", host, "pass", f"{shown} (TCP :{args.link_port}, min of 7)"))
     return out
 
 

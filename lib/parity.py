@@ -29,21 +29,25 @@ MLX_MIN = (0, 32, 1)
 
 # $1 = PYTHON, $2 = REMOTE_ROOT, $3 = the probe's parameters (JSON); the probe's source on stdin.
 # A constant script: every value reaches it as a positional argument, never as shell text.
-# PYTHON runs the probe when it can start; otherwise the host's python3 does (marked
-# --fallback, so runtime facts are reported as missing), and with no Python at all the shell
-# still reports the free disk.
+# PYTHON runs the probe (one interpreter start: the probe's time is mostly that). If PYTHON
+# is missing, or dies without printing the probe's result (a crash importing mlx), the host's
+# python3 runs it again with --fallback and what went wrong, so disk, code and link facts are
+# still reported; with no Python at all the shell still reports the free disk.
 PROBE_SH = r"""
 py=$1; root=$2; params=$3
-if [ -n "$py" ] && [ -x "$py" ] && "$py" -c '' </dev/null >/dev/null 2>&1; then
-  exec "$py" - "$params"
+src=$(cat)
+why=missing
+if [ -n "$py" ] && [ -x "$py" ] && [ ! -d "$py" ]; then
+  out=$("$py" -c "$src" "$params" 2>&1 </dev/null); rc=$?
+  case $out in *'"probe_version": '*) printf '%s\n' "$out"; exit 0;; esac
+  why="exit $rc: $(printf '%s' "$out" | tail -n 3)"
 fi
 for c in python3 /usr/bin/python3 /opt/homebrew/bin/python3 /usr/local/bin/python3; do
   if command -v "$c" >/dev/null 2>&1 &&
      "$c" -c 'import sys; sys.exit(sys.version_info < (3, 8))' </dev/null >/dev/null 2>&1; then
-    exec "$c" - "$params" --fallback
+    exec "$c" -c "$src" "$params" --fallback "$why" </dev/null
   fi
 done
-cat >/dev/null
 d=$root; while [ ! -d "$d" ]; do d=$(dirname "$d"); done
 kb=$(df -Pk "$d" 2>/dev/null | awk 'NR==2 {print $4}')
 printf '{"probe_version": 1, "no_python": true, "disk": {"path": "%s", "free_bytes": %s}}\n' "$d" "$(( ${kb:-0} * 1024 ))"

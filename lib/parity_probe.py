@@ -1,8 +1,8 @@
 """The host side of check-parity: one self-contained probe, printed as one JSON object.
 
-bin/check_parity.py pipes this file's source to `<python> - '<params json>'` on every host
-over one ssh call (lib/parity.py's PROBE_SH picks the interpreter: PYTHON when it runs, else
-the host's python3, so disk, code and link facts are reported even when PYTHON is missing).
+bin/check_parity.py sends this file's source to `<python> -c <source> '<params json>'` on every host
+over one ssh call (lib/parity.py's PROBE_SH runs it with PYTHON, and again with the host's
+python3 when PYTHON is missing or crashes, so disk, code and link facts are still reported).
 It must stay standard-library only and run on any Python >= 3.8 (macOS's /usr/bin/python3
 is 3.9), because it runs before the host's venv is known to be good. It only reads: nothing
 on the host is changed.
@@ -78,9 +78,10 @@ def marker_env():
     }
 
 
-def probe_python(params, fallback):
+def probe_python(params, fallback, why=""):
     want = params.get("python") or ""
     out = {
+        "why": why[-600:],
         "requested": want,
         "exists": bool(want) and os.path.exists(want),
         "executable": os.path.exists(want) and os.access(want, os.X_OK),
@@ -289,9 +290,11 @@ def probe_ips(ips):
     return out
 
 
-def probe_link(peers, port, timeout, tries=3):
-    """Round trip to each peer IP as the TCP handshake time to `port` (min of `tries`).
-    A refused connection still answered, so it still measures the round trip."""
+def probe_link(peers, port, timeout, tries=7):
+    """Round trip to each peer IP as the TCP handshake time to `port`, the minimum of `tries`:
+    the handshake is answered by the peer's kernel, so the minimum is the wire's round trip and
+    the rest is this host's scheduling (a busy host wakes the prober late). A refused
+    connection still answered, so it still measures the round trip."""
     out = {}
     for ip in peers:
         best, err = None, None
@@ -310,8 +313,9 @@ def probe_link(peers, port, timeout, tries=3):
                 dt = None
             finally:
                 s.close()
-            if dt is not None:
-                best = dt if best is None else min(best, dt)
+            if dt is None:
+                break  # a dead peer costs one timeout, not `tries` of them
+            best = dt if best is None else min(best, dt)
         out[ip] = {"rtt_ms": None if best is None else round(best * 1000, 3), "error": None if best is not None else err}
     return out
 
@@ -344,6 +348,7 @@ def main(argv):
     t0 = time.monotonic()
     params = json.loads(argv[1]) if len(argv) > 1 else {}
     fallback = len(argv) > 2 and argv[2] == "--fallback"
+    why = argv[3] if fallback and len(argv) > 3 else ""
     root = params.get("remote_root") or ""
     res = {"probe_version": PROBE_VERSION}
 
@@ -355,7 +360,7 @@ def main(argv):
 
     res["host"] = {"hostname": socket.gethostname(), "system": platform.system(),
                    "machine": platform.machine(), "pid": os.getpid()}
-    guard("python", probe_python, params, fallback)
+    guard("python", probe_python, params, fallback, why)
     res["marker_env"] = marker_env()
     if not fallback:
         guard("packages", probe_packages, params.get("packages", []))

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""bench_check_parity: wall time of a full check-parity on 2 and on 3 fabric hosts.
+
+Usage:
+    python bench/bench_check_parity.py [--runs N] [--max-2host-s 2.0] [--max-ratio 1.3]
+                                       [--fabric-dir DIR] [--keep] [--json OUT]
+
+Example:
+    .venv/bin/python bench/bench_check_parity.py --runs 7
+
+Brings up its own 3-host test fabric (tests/fabric.py; root, Linux) in runs/fabric-bench-<pid>
+(or reuses the one in --fabric-dir), snapshots this checkout's code into runs/bench-parity-<pid>/
+(so edits made meanwhile do not count as host differences), adds a model folder (20 MB) and a
+dataset (2,000 records), pushes it to every host with rsync, then runs the snapshot's
+bin/check_parity.py --json with
+every check on (runtime, code, model, dataset, resources, link) on hosts fab1+fab2 and on
+fab1+fab2+fab3, alternating, --runs times each. The time is the whole command's wall clock,
+interpreter start included: what cron and `make smoke` pay. Prints the medians as
+  check_parity_2hosts_wall_s: X (ratio X/2.0 vs the 2 s budget)
+  check_parity_3hosts_wall_s: Y (ratio Y/X vs the 2-host time)
+and exits 1 when the 2-host median is over --max-2host-s or the ratio over --max-ratio (the
+issue's targets), 2 when a check does not pass or the fabric cannot exist here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import fabric as fabric_mod  # noqa: E402  (tests/fabric.py)
+
+from lib import atomic, parity  # noqa: E402
+
+TAG = f"bench-parity-{os.getpid()}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=5, help="timed runs per host count (default 5)")
+    p.add_argument("--max-2host-s", type=float, default=2.0)
+    p.add_argument("--max-ratio", type=float, default=1.3)
+    p.add_argument("--fabric-dir", help="reuse a running fabric (with at least 3 hosts) instead of a new one")
+    p.add_argument("--keep", action="store_true", help="leave the bench's own fabric up")
+    p.add_argument("--json", help="also write the numbers to this file")
+    return p
+
+
+def make_tree(tree: Path) -> None:
+    """A frozen copy of the code, plus a model folder and a dataset, laid out like the repo."""
+    for part in parity.CODE_PARTS:
+        src = ROOT / part
+        if src.is_dir():
+            shutil.copytree(src, tree / part, ignore=shutil.ignore_patterns("__pycache__", ".*"))
+        else:
+            shutil.copy2(src, tree / part)
+    model = tree / "models" / TAG
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "gemma4_text", "hidden_size": 256}))
+    (model / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": {}}}))
+    with open(model / "model.safetensors", "wb") as f:
+        f.write(os.urandom(20 << 20))
+    data = tree / "datasets" / TAG
+    data.mkdir(parents=True)
+    files = {}
+    for split, n in (("train", 1800), ("valid", 100), ("test", 100)):
+        path = data / f"{split}.jsonl"
+        with open(path, "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"messages": [{"role": "user", "content": f"question {i} " * 20},
+                                                 {"role": "assistant", "content": f"answer {i} " * 30}],
+                                    "record_id": f"{split}-{i}", "weight": 1.0, "source": "bench"}) + "\n")
+        files[path.name] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                            "bytes": path.stat().st_size, "records": n}
+    atomic.write_json(data / "manifest.json", {"files": files})
+
+
+def push(fab, env: dict, tree: Path) -> None:
+    procs = [subprocess.Popen(["rsync", "-a", "--delete", "-R", "-e", env["RSYNC_RSH"], *parity.CODE_PARTS,
+                               f"models/{TAG}", f"datasets/{TAG}", f"{h}:{fab.remote_root}/"], cwd=tree, env=env,
+                              stdin=subprocess.DEVNULL) for h in fab.hosts[:3]]
+    for p in procs:
+        if p.wait(timeout=300) != 0:
+            raise RuntimeError(f"rsync to the fabric exited {p.returncode}")
+
+
+def one_run(fab, env: dict, tree: Path, hosts: int) -> float:
+    cmd = [sys.executable, str(tree / "bin" / "check_parity.py"), "--hostfile", str(fab.hostfile(hosts)),
+           "--python", fab.python, "--remote-root", fab.remote_root, "--model", f"models/{TAG}",
+           "--dataset", TAG, "--json", "--state-dir", str(tree.parent / "state")]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    out = json.loads(p.stdout)
+    if out["code"] != 0:
+        bad = [c for c in out["checks"] if c["status"] != "pass"]
+        raise RuntimeError(f"check-parity on {hosts} hosts exited {out['code']}: {bad}")
+    return wall
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    why = fabric_mod.unavailable()
+    if why:
+        print(f"error: the fabric cannot run here: {why}", file=sys.stderr)
+        return 2
+    own = args.fabric_dir is None
+    fdir = Path(args.fabric_dir) if args.fabric_dir else ROOT / "runs" / f"fabric-bench-{os.getpid()}"
+    spec = fabric_mod.make_spec(dir=fdir, prefix=f"fb{os.getpid() % 10**6}", subnet="auto") if own else None
+    work = ROOT / "runs" / f"bench-parity-{os.getpid()}"
+    tree = work / "tree"
+    try:
+        if own:
+            fabric_mod.up(spec, 3)
+        fab = fabric_mod.Fabric(fdir)
+        if len(fab.hosts) < 3:
+            print(f"error: {fdir} has {len(fab.hosts)} hosts; the bench needs 3", file=sys.stderr)
+            return 2
+        env = fab.env()
+        make_tree(tree)
+        push(fab, env, tree)
+        one_run(fab, env, tree, 2)  # warm caches (page cache, pyc) before timing
+        one_run(fab, env, tree, 3)
+        times: dict[int, list[float]] = {2: [], 3: []}
+        for _ in range(args.runs):
+            for n in (2, 3):
+                times[n].append(one_run(fab, env, tree, n))
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if own and not args.keep:
+            fabric_mod.down(spec)
+
+    two, three = statistics.median(times[2]), statistics.median(times[3])
+    ratio2, ratio3 = two / args.max_2host_s, three / two
+    print(f"check_parity_2hosts_wall_s: {two:.3f} (ratio {ratio2:.2f} vs the {args.max_2host_s:g} s budget; "
+          f"min {min(times[2]):.3f}, max {max(times[2]):.3f}, runs {args.runs})")
+    print(f"check_parity_3hosts_wall_s: {three:.3f} (ratio {ratio3:.2f} vs the 2-host time; "
+          f"min {min(times[3]):.3f}, max {max(times[3]):.3f}, runs {args.runs})")
+    if args.json:
+        atomic.write_json(args.json, {"two_hosts_s": times[2], "three_hosts_s": times[3], "median_2": two,
+                                      "median_3": three, "ratio_3_vs_2": ratio3})
+    ok = two <= args.max_2host_s and ratio3 <= args.max_ratio
+    if not ok:
+        print(f"error: over budget (2 hosts <= {args.max_2host_s:g} s, 3 hosts <= {args.max_ratio:g}x 2 hosts)",
+              file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
