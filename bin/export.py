@@ -675,7 +675,9 @@ class Writer:
                     sync(out.f.fileno())
                     out.unsynced = 0
             except BaseException as e:  # handed to the main thread by put() / close()
-                self.error = e
+                self.error = fail(f"writing {out.path} failed: {e}: free disk space "
+                                  f"(`df -h {out.path.parent.parent}`) and export again",
+                                  "export-crashed")
 
     def put(self, out: Out, data: bytes) -> None:
         if self.error is not None:
@@ -1092,25 +1094,34 @@ class Pool:
         p.stdin.flush()
 
     def submit(self, k: int, task: tuple) -> None:
-        self._send(self.procs[k], task)
+        try:
+            self._send(self.procs[k], task)
+        except OSError:  # a broken pipe: the worker is gone
+            self._died(self.procs[k])
+
+    def _died(self, p) -> None:
+        raise fail(f"export worker {p.pid} died (exit {p.wait()}; -9 is usually the "
+                   "out-of-memory killer): export again with fewer --workers",
+                   "export-crashed") from None
 
     def result(self, k: int) -> tuple:
         p = self.procs[k]
         try:
             kind, value = self.pickle.load(p.stdout)
         except EOFError:
-            raise RuntimeError(f"export worker {p.pid} died (exit {p.wait()}); its error is "
-                               "above") from None
+            self._died(p)
         if kind == "error":
-            raise RuntimeError(f"export worker {p.pid} failed:\n{value}")
+            raise fail(f"export worker {p.pid} failed (a bug: please report it with this "
+                       f"traceback):\n{value}", "export-crashed")
         return value
 
     def close(self) -> None:
-        for p in self.procs:
-            try:
-                p.stdin.close()
-            except OSError:
-                pass
+        for p in self.procs:  # EOF for a waiting worker, a broken pipe for a writing one
+            for f in (p.stdin, p.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
         for p in self.procs:
             try:
                 p.wait(timeout=10)
@@ -1361,6 +1372,8 @@ def main() -> int:
             lock.close()
     except RunbookError as e:
         return die(e)
+    except KeyboardInterrupt:
+        return die("interrupted: the previous dataset (if any) is unchanged", 130)
     report(out.name, out, r, s, time.monotonic() - t0, manifest["dataset_sha256"])
     print(f"wrote {paths.rel(out)}/{{train,valid,test}}.jsonl manifest.json rejects.jsonl",
           flush=True)

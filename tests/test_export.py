@@ -653,3 +653,22 @@ def test_every_anchor_the_exporter_names_is_a_runbook_heading():
     assert len(named) > len(exp.REASONS) + 3
     assert named - slugs == set()
     assert "export" in slugs
+
+
+def test_a_worker_killed_mid_export_fails_it_cleanly(tmp_path, big_corpus):
+    out = tmp_path / "ds"
+    export(write(tmp_path / "good.jsonl", GOOD), out=out)
+    before = tree_bytes(out)
+    proc = subprocess.Popen([PY, "bin/export.py", str(big_corpus), "--out", str(out),
+                             "--workers", "2"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_partial_output(out, proc)
+    worker = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                            text=True).stdout.split()[0]
+    os.kill(int(worker), signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert f"export worker {worker} died (exit -9" in err
+    assert err.rstrip().endswith("see RUNBOOK.md#export-crashed")
+    assert tree_bytes(out) == before
+    assert not [x for x in tmp_path.iterdir() if x.name.startswith(".ds.") and x.is_dir()]
