@@ -24,7 +24,8 @@ created at that same absolute path on every host. Per host, hosts in parallel:
 4. install the lock, sent on stdin, into it: pip install --require-hashes --no-deps
    (pinned versions replace any others; satisfied ones are left alone), then pip check, and
    record the lock's sha256 in <venv>/.provisioned.
-The orchestrator's own .venv on 127.0.0.1 is `make setup`'s, so it is left alone here.
+This machine's own venv is `make setup`'s, so it is left alone here: on 127.0.0.1, and on any
+host that sees the very same folder (a rank that is this machine, a shared filesystem).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import argparse
 import os
 import platform
 import re
+import secrets
 import subprocess
 import sys
 import threading
@@ -58,9 +60,13 @@ WHEELHOUSE = paths.RUNS / "wheelhouse"
 # Constant scripts: values arrive only as positional arguments. Lines starting with "@@ "
 # are facts for the orchestrator; everything else is shown as is, prefixed with the host.
 
-# $1 = X.Y, $2 = base python ("" = search), $3 = venv dir. Finds Python X.Y; makes the venv's parent.
+# $1 = X.Y, $2 = base python ("" = search), $3 = venv dir, $4 = self-marker name ("" = none).
+# Says "@@ self" when the venv holds the marker this machine just put in its own venv (the host
+# sees this machine's files: self-ssh to Mac1, or a shared filesystem); else finds Python X.Y
+# and makes the venv's parent.
 FIND_SH = r"""
-want=$1; base=$2; venv=$3
+want=$1; base=$2; venv=$3; marker=$4
+if [ -n "$marker" ] && [ -e "$venv/$marker" ]; then echo "@@ self"; exit 0; fi
 seen=""
 for c in "$base" "python$want" "/opt/homebrew/bin/python$want" "/usr/local/bin/python$want" \
          "/Library/Frameworks/Python.framework/Versions/$want/bin/python$want" "/usr/bin/python$want" \
@@ -225,7 +231,7 @@ def run_sh(host: str, script: str, argv: list[str], stdin_text: str, timeout: fl
 
 
 def provision_host(host: str, args, venv: str, lock_text: str, lock_sha: str, house: Wheelhouse,
-                   out_lock: threading.Lock) -> dict:
+                   self_marker: str, out_lock: threading.Lock) -> dict:
     def say(line: str) -> None:
         with out_lock:
             print(f"  {host}: {line}", flush=True)
@@ -246,8 +252,12 @@ def provision_host(host: str, args, venv: str, lock_text: str, lock_sha: str, ho
         rec["wall_s"] = round(time.monotonic() - t0, 1)
         return rec
 
-    rc, facts = run_sh(host, FIND_SH, [args.python_version, args.base_python, venv], "", 120, say)
+    rc, facts = run_sh(host, FIND_SH, [args.python_version, args.base_python, venv, self_marker], "", 120, say)
     rec["facts"].update(facts)
+    if rc == 0 and "self" in facts:
+        rec.update(skipped="PYTHON's venv on this host is this machine's own .venv (make setup's)",
+                   wall_s=round(time.monotonic() - t0, 1))
+        return rec
     if rc != 0 or "base" not in facts:
         return fail(rc, facts)
     real, version, plat, machine = (facts.get("facts", "") + " ? ? ? ?").split()[:4]
@@ -310,13 +320,27 @@ def main() -> int:
     event("provision-start", hosts=len(hosts), venv=venv, python=args.python_version, lock=lock_sha[:12])
     out_lock = threading.Lock()
     house = Wheelhouse(args.lock, lock_sha, args.python_version)
-    with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
-        recs = list(pool.map(lambda h: provision_host(h, args, venv, lock_text, lock_sha, house, out_lock), hosts))
+    # This machine's own venv must never be rebuilt from "another" host that is really this
+    # machine (a rank listed by name, or a shared filesystem): a marker file tells them apart.
+    mine = os.path.realpath(venv) == os.path.realpath(sys.prefix)
+    self_marker = f".provision-self-{os.getpid()}-{secrets.token_hex(8)}" if mine else ""
+    marker_path = Path(sys.prefix) / self_marker if mine else None
+    try:
+        if marker_path is not None:
+            marker_path.write_text("provision: this machine's own venv\n")
+        with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+            recs = list(pool.map(lambda h: provision_host(h, args, venv, lock_text, lock_sha, house, self_marker,
+                                                          out_lock), hosts))
+    finally:
+        if marker_path is not None:
+            marker_path.unlink(missing_ok=True)
 
     rc = 0
     for r in recs:
         f = r["facts"]
-        if r["error"]:
+        if r.get("skipped"):
+            event("provision", host=r["host"], status="skipped", why=r["skipped"])
+        elif r["error"]:
             event("provision", host=r["host"], status="FAILED", wall_s=r["wall_s"])
             print(f"error: {r['host']}: {r['error']}; see RUNBOOK.md#provision", file=sys.stderr, flush=True)
             rc = 1

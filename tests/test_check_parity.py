@@ -166,6 +166,24 @@ def test_probe_reads_versions_like_importlib_metadata():
         assert dists[name] == metadata.version(name)
 
 
+@pytest.mark.parametrize("version", ["3.8", "3.9"])
+def test_probe_runs_on_old_system_pythons(version, tmp_path):
+    """The probe runs under whatever python3 a host has when PYTHON is broken (macOS's is 3.9)."""
+    found = [shutil.which(f"python{version}")]
+    found += sorted(str(p) for p in Path.home().glob(f".pyenv/versions/{version}.*/bin/python{version}"))
+    works = [e for e in found if e and subprocess.run([e, "-c", ""], capture_output=True).returncode == 0]
+    if not works:
+        pytest.skip(f"no python{version} here (PATH, ~/.pyenv) to run the probe with")
+    exe = works[0]
+    params = {"remote_root": str(ROOT), "code_parts": parity.CODE_PARTS, "packages": ["mlx"],
+              "own_ips": ["127.0.0.1"], "peers": ["127.0.0.1"], "python": "/nonexistent/bin/python"}
+    p = run([exe, "-c", parity.PROBE_SOURCE.read_text(), json.dumps(params), "--fallback", "missing"])
+    facts = parity.parse_probe_output(p.stdout)
+    assert facts["python"]["version"].startswith(version) and facts["python"]["fallback"] is True
+    assert facts["code"]["hashes"] == hashing.tree_hashes(ROOT, parity.CODE_PARTS)
+    assert facts["ips"] == {"127.0.0.1": True} and facts["link"]["127.0.0.1"]["rtt_ms"] is not None
+
+
 def test_peers_ring_and_jaccl():
     ring = parse_hostfile({"backend": "ring", "hosts": [{"ssh": f"h{i}", "ips": [f"10.0.0.{i}"]} for i in range(3)]})
     assert parity.peers_of(ring) == {"h0": ["10.0.0.1", "10.0.0.2"], "h1": ["10.0.0.0", "10.0.0.2"],
@@ -654,6 +672,21 @@ def test_fabric_cut_link_is_bounded_in_time(fab, fab_data, tmp_path):
     assert "no answer within the time bound" in c["detail"]
     [r] = failing(out, "link.rtt", "fab1")
     assert "unreachable" in r["detail"]
+
+
+@pytest.mark.fabric
+def test_fabric_provision_never_rebuilds_this_machines_own_venv(fab, tmp_path):
+    """A host that sees this machine's venv (here: the fabric shares the filesystem; on Macs: a
+    rank that is Mac1 itself) is skipped, even with --recreate. Run from a throwaway venv, so
+    a regression destroys only that."""
+    venv = tmp_path / "own-venv"
+    run(["/usr/bin/env", sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    t0 = time.monotonic()
+    p = run([str(venv / "bin" / "python"), "bin/provision.py", "--hostfile", str(fab.hostfile(2)),
+             "--python", str(venv / "bin" / "python"), "--recreate"], env=fab.env())
+    assert p.stdout.count("status skipped why PYTHON's venv on this host is this machine's own") == 2, p.stdout
+    assert (venv / "pyvenv.cfg").is_file() and not list(venv.glob(".provision-self-*"))
+    assert time.monotonic() - t0 < 30
 
 
 def code_race_only(p: subprocess.CompletedProcess) -> bool:
