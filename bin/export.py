@@ -5,6 +5,7 @@ Usage:
     python bin/export.py CORPUS [CORPUS ...] (--dataset NAME | --out DIR) [--config YAML]
         [--field CANONICAL=NAME ...] [--role FROM=TO ...] [--ratios TRAIN,VALID,TEST]
         [--max-reject-ratio R] [--max-chars N] [--text-system-prompt S] [--text-user-prompt S]
+        [--workers N]
 
 Example:
     .venv/bin/python bin/export.py datasets/sample/corpus.jsonl \
@@ -31,7 +32,9 @@ manifest.json (counts, per-file sha256 and bytes, split rule, source hashes, exp
 version, dataset_sha256). Splits come from a hash of record_id; exact-duplicate content is
 kept once (first occurrence wins). The export fails, leaving the previous dataset in place,
 when rejects exceed the threshold (default 0.1% of input lines) or a split would be empty.
-Memory stays bounded: per record only two 16-byte digests are kept (about 48 bytes).
+It streams: per record only two 16-byte digests are kept (about 48 bytes with their index);
+N worker processes (`--worker`, fed over pipes) validate and shape lines while this process
+deduplicates and writes; the output does not depend on N. See RUNBOOK.md#export.
 """
 
 from __future__ import annotations
