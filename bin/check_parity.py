@@ -497,6 +497,9 @@ def evaluate(args, hf: Hostfile, inp: dict, ref: dict, results: dict, t_probe: d
         f = facts.get(h)
         if f is None:
             continue
+        if f.get("no_python"):  # only the shell answered: nothing else can be read on this host
+            checks += eval_runtime(h, f, rref, {}, fixes) + eval_resources(h, f, args, hf, fixes)[:1]
+            continue
         pins = parity.lock_pins(ref["lock"], f.get("marker_env") or {})
         checks += eval_runtime(h, f, rref, pins, fixes)
         checks.append(eval_code(h, f, rref, inp["root"], fixes))

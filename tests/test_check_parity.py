@@ -272,6 +272,36 @@ def test_python_that_crashes_is_reported_with_its_last_words(tmp_path):
     assert statuses(out)[("code", "127.0.0.1")] == "pass"
 
 
+def test_host_without_any_python_still_reports_disk(tmp_path):
+    """No PYTHON and no python3 at all: the probe's shell part answers alone; the report says
+    so and still shows the disk. (python3 is hidden in a private mount namespace.)"""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to hide this machine's python3")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("cat", "df", "awk", "dirname", "tail"):
+        (bindir / tool).symlink_to(shutil.which(tool))
+    hide = " && ".join(f"mount --bind /dev/null {p}" for p in ("/usr/bin/python3", "/usr/local/bin/python3")
+                       if os.path.exists(p))
+    inner = (hide + " && " if hide else "") + 'exec env PATH="$1" /bin/sh -c "$2" parity-probe "$3" "$4" "{}"'
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", inner, "u", str(bindir),
+                        parity.PROBE_SH, str(tmp_path / "venv" / "bin" / "python"), str(tmp_path / "root")],
+                       input="print('not the probe')", capture_output=True, text=True, timeout=30)
+    facts = parity.parse_probe_output(p.stdout)
+    assert facts and facts["no_python"] is True, (p.stdout, p.stderr)
+    assert facts["disk"]["path"] == str(tmp_path) and facts["disk"]["free_bytes"] > 0
+    mod = load_script("check_parity")
+    args = mod.build_parser().parse_args(["--hostfile", "hostfile.local.json", "--python", "/x/bin/python",
+                                          "--remote-root", str(tmp_path / "root")])
+    hf = parse_hostfile([{"ssh": "mac5", "ips": ["10.0.5.5"]}])
+    inp = {"root": str(tmp_path / "root"), "model_local": None, "model_remote": None, "model_check": None}
+    ref = {"code": {}, "lock": (ROOT / "requirements.lock").read_text()}
+    checks = mod.evaluate(args, hf, inp, ref, {"mac5": (facts, Result("mac5", 0, p.stdout, ""))}, {"mac5": 0.1})
+    st = {c["name"]: c for c in checks if c["host"] == "mac5"}
+    assert st["runtime.python"]["status"] == "fail" and "no Python at all" in st["runtime.python"]["detail"]
+    assert st["resources.disk"]["status"] == "pass" and "code" not in st
+
+
 def copy_code(dest: Path) -> None:
     for part in parity.CODE_PARTS:
         src = ROOT / part
