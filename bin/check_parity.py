@@ -134,7 +134,7 @@ def resolve_model(model: str, root: str) -> tuple[Path | None, str | None, dict 
                                      "generate it (make tiny-model) or set MODEL=; see RUNBOOK.md#parity-model")
         return None, None, check("model", "-", "pass", f"skipped: MODEL {model} is a hub id "
                                  "(each host resolves it from its own cache)")
-    full = full.resolve()
+    full = Path(os.path.abspath(full))  # not resolved: models/x may be a link to a bigger disk
     try:
         remote = os.path.join(root, full.relative_to(paths.ROOT).as_posix())
     except ValueError:
