@@ -302,6 +302,24 @@ def test_host_without_any_python_still_reports_disk(tmp_path):
     assert st["resources.disk"]["status"] == "pass" and "code" not in st
 
 
+def test_a_rank_named_for_this_machine_goes_through_ssh(tmp_path):
+    """Only 127.0.0.1 runs locally (as in mlx.launch); a rank that is this machine under a name
+    needs self-ssh, so it is checked over ssh (here no sshd listens, so it fails, unattended)."""
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        if s.connect_ex(("127.0.0.1", 22)) == 0:
+            pytest.skip("an sshd listens on 127.0.0.1:22 here; the failure this test needs cannot happen")
+    hf = tmp_path / "self.json"
+    hf.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}]))
+    env = {k: v for k, v in os.environ.items() if k != "SSH_CONFIG"}
+    rc, out = check_parity("--model=", "--dataset=", hostfile=hf, env=env, state_dir=tmp_path)
+    assert rc == 2
+    [c] = failing(out, "ssh", "localhost")
+    assert c["detail"].startswith("sshd not listening"), c
+
+
 def copy_code(dest: Path) -> None:
     for part in parity.CODE_PARTS:
         src = ROOT / part
