@@ -737,6 +737,20 @@ def test_fabric_provision_never_rebuilds_this_machines_own_venv(fab, tmp_path):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.fabric
+def test_fabric_provision_fails_clearly_without_the_python_version(fab, tmp_path):
+    venv = f"{fab.remote_root}/.venv-py35"
+    p = run([PY, "bin/provision.py", "--hostfile", str(fab.hostfile(2)), "--python", f"{venv}/bin/python",
+             "--python-version", "3.5"], env=fab.env(), check=False)
+    assert p.returncode == 1
+    for h in ("fab1", "fab2"):
+        assert f"provision host {h} status FAILED" in p.stdout
+        line = next(ln for ln in p.stderr.splitlines() if ln.startswith(f"error: {h}: no-python found:"))
+        assert "python3=3." in line and "brew install python@3.5" in line and "BASE_PYTHON=" in line
+        assert line.endswith("see RUNBOOK.md#provision")
+    assert not (fab.backing_dir("fab1") / ".venv-py35").exists()
+
+
 def code_race_only(p: subprocess.CompletedProcess) -> bool:
     """True when make's check-parity failed only on `code`: this checkout changed while the
     test ran (other work in the same tree), not a provisioning fault. In CI the tree is still."""
