@@ -31,6 +31,7 @@ from lib.log import CATEGORIES, event
 from lib.remote import rsh, run_on
 
 STEP_RE = re.compile(r"(?:^|\s)iter (\d+)\b")
+DONE_RE = re.compile(r"(?:^|\s)done step \d+")
 DEFAULT_WATCHDOG_S = 300.0
 
 
@@ -139,6 +140,7 @@ class LaunchResult:
     steps: list[int] = field(default_factory=list)
     last_progress_s: float = 0.0
     step_times: list[float] = field(default_factory=list)
+    done: bool = False  # rank 0 printed `done step N`: the trainer finished
 
 
 def launch_argv(hostfile_path: str, hf: Hostfile, python: str, remote_root: str, trainer_args: list[str],
@@ -180,7 +182,10 @@ def run_watched(argv: list[str], log_path: Path, window_s: float | None, cwd: Pa
                 log.flush()
                 sys.stdout.buffer.write(raw)
                 sys.stdout.buffer.flush()
-                m = STEP_RE.search(raw.decode(errors="replace"))
+                text = raw.decode(errors="replace")
+                if DONE_RE.search(text):
+                    res.done = True
+                m = STEP_RE.search(text)
                 if m:
                     step = int(m.group(1))
                     now = time.monotonic()
@@ -282,9 +287,9 @@ def rank_events(run_dir: Path, launch_id: str) -> dict:
 
 
 def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str]:
-    """(category, why) for a failed launch; (None, "") when it succeeded."""
-    if res.returncode == 0 and not res.watchdog_fired and not ev["failures"]:
-        return None, ""
+    """(category, why) for a failed launch; (None, "") when it succeeded. mlx.launch's exit
+    code alone is not trusted (0.32.4 can exit 0 when a rank never started): success needs
+    every rank joined, no failure file, and the trainer's own `done` line."""
     if res.watchdog_fired:
         return "hang / link partition", f"no step progress for the watchdog window (last progress at {res.last_progress_s:.0f} s)"
     for r, f in sorted(ev["failures"].items()):
@@ -293,7 +298,13 @@ def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str
     if len(ev["joined"]) < world:
         missing = sorted(set(range(world)) - set(ev["joined"]))
         return "runtime parity", f"ranks {missing} never initialized (launcher exit {res.returncode})"
-    return "hang / link partition", f"a rank died mid-run (launcher exit {res.returncode}); the link or the host went away"
+    if ev["failures"]:
+        r, f = sorted(ev["failures"].items())[0]
+        return "hang / link partition", f"rank {r} stopped: {f.get('message', '')} (no category applies; see its log)"
+    if res.returncode != 0 or not res.done:
+        return "hang / link partition", (f"a rank died mid-run (launcher exit {res.returncode}, trainer "
+                                         f"{'finished' if res.done else 'did not finish'}); the link or the host went away")
+    return None, ""
 
 
 def print_category(category: str, why: str) -> None:

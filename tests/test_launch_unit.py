@@ -9,8 +9,8 @@ from lib import launch
 from lib.hostfile import parse
 
 
-def res(rc=0, watchdog=False):
-    return launch.LaunchResult(returncode=rc, wall_s=1.0, watchdog_fired=watchdog, steps=[1, 2])
+def res(rc=0, watchdog=False, done=True):
+    return launch.LaunchResult(returncode=rc, wall_s=1.0, watchdog_fired=watchdog, steps=[1, 2], done=done)
 
 
 def test_categories():
@@ -27,6 +27,9 @@ def test_categories():
     assert launch.categorize(res(1), data, 2)[0] == "export format or path consistency"
     assert launch.categorize(res(-15, watchdog=True), ok, 2)[0] == "hang / link partition"
     assert launch.categorize(res(137), ok, 2)[0] == "hang / link partition"
+    # mlx.launch can exit 0 although a rank never started: joined markers decide.
+    assert launch.categorize(res(0), {"joined": {0: {}}, "failures": {}}, 2)[0] == "runtime parity"
+    assert launch.categorize(res(0, done=False), ok, 2)[0] == "hang / link partition"
 
 
 def test_trainer_pattern_matches_only_this_run():

@@ -134,8 +134,8 @@ def test_smoke_on_fabric(fabric_faults, n):
     assert not any(no_trainer_left(fabric, hosts).values())
 
 
-def smoke_fail(fabric, hosts, run, *extra, timeout=600):
-    p = fmake(fabric, "smoke", *fab_vars(fabric, hosts, run, *extra), check=False, timeout=timeout)
+def smoke_fail(fabric, hosts, run, timeout=600, **extra):
+    p = fmake(fabric, "smoke", *fab_vars(fabric, hosts, run, **extra), check=False, timeout=timeout)
     assert p.returncode != 0
     summary_path = ROOT / f"runs/{run}/smoke.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
@@ -197,8 +197,8 @@ def test_frozen_rank_trips_watchdog(fabric_faults):
 def test_absurd_learning_rate_is_stability(fabric_faults):
     fabric = fabric_faults
     cfg = ROOT / "runs" / "fab-lr.yaml"
-    cfg.write_text((ROOT / "configs/smoke.yaml").read_text().replace("learning_rate: 1e-5", "learning_rate: 1e6"))
-    p, summary = smoke_fail(fabric, ["fab1", "fab2"], "fab-lr", f"SMOKE_CONFIG={cfg}")
+    cfg.write_text((ROOT / "configs/smoke.yaml").read_text().replace("learning_rate: 1e-5", "learning_rate: 1e30"))
+    p, summary = smoke_fail(fabric, ["fab1", "fab2"], "fab-lr", SMOKE_CONFIG=str(cfg))
     assert summary["category"] == "learning rate or quantized LoRA stability", summary
     assert "RUNBOOK.md#learning-rate-or-lora-stability" in p.stderr
 
