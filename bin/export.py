@@ -626,9 +626,16 @@ class DigestIndex:
         import numpy as np
 
         order = np.argsort(new[0], kind="stable")
-        pos = np.searchsorted(cols[0], new[0][order])
+        n, k = len(cols[0]), len(order)
+        # Where each new key lands in the merged column; the old keys fill the rest in order.
+        at = np.searchsorted(cols[0], new[0][order]) + np.arange(k)
+        is_old = np.ones(n + k, bool)
+        is_old[at] = False
         for i, x in enumerate(new):
-            cols[i] = np.insert(cols[i], pos, x[order])
+            merged = np.empty(n + k, np.uint64)
+            merged[at] = x[order]
+            merged[is_old] = cols[i]
+            cols[i] = merged
 
     def add(self, new: list[np.ndarray]) -> None:
         """Insert keys known to be absent."""
