@@ -196,13 +196,16 @@ compare: $(VENV)/.stamp | $(STAMPS) $(STAMPS)/train.$(RUN) $(STAMPS)/control.$(R
 ## demo: the whole chain on hostfile.local.json with the sample corpus and the tiny model; prints the report's path
 # Two ranks on one machine cannot be faster than one: the demo accepts any speedup
 # (MIN_SPEEDUP=0) and the report still shows the measured one.
-DEMO_VARS = RUN=demo HOSTFILE=hostfile.local.json REMOTE_ROOT=$(CURDIR) PYTHON=$(CURDIR)/$(VENV)/bin/python \
-	MODEL=models/tiny-gemma4 CONFIG=configs/demo.yaml CORPUS=datasets/sample/corpus.jsonl \
-	DATASET=domain_sft_v1_high_signal_thunder MIN_SPEEDUP=0
+DEMO_RUN         ?= demo
+DEMO_HOSTFILE    ?= hostfile.local.json
+DEMO_REMOTE_ROOT ?= $(CURDIR)
+DEMO_VARS = RUN=$(DEMO_RUN) HOSTFILE=$(DEMO_HOSTFILE) REMOTE_ROOT=$(DEMO_REMOTE_ROOT) \
+	PYTHON=$(CURDIR)/$(VENV)/bin/python MODEL=models/tiny-gemma4 CONFIG=configs/demo.yaml \
+	CORPUS=datasets/sample/corpus.jsonl DATASET=domain_sft_v1_high_signal_thunder MIN_SPEEDUP=0
 .PHONY: demo
 demo: $(VENV)/.stamp
 	$(MAKE) --no-print-directory compare $(DEMO_VARS)
-	@echo "demo: report at runs/demo/compare/report.md (curves: runs/demo/compare/loss_curves.png)"
+	@echo "demo: report at runs/$(DEMO_RUN)/compare/report.md (curves: runs/$(DEMO_RUN)/compare/loss_curves.png)"
 
 # ---- test, bench, clean --------------------------------------------------------
 ## test: the whole test suite (pytest; the README's test command)
