@@ -77,7 +77,8 @@ RECORD_FIELDS = ("messages", "prompt", "completion", "response", "instruction", 
 MESSAGE_FIELDS = ("role", "content")
 DATASET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 RAW_PREFIX = 500           # bytes of a rejected line kept in rejects.jsonl
-BLOCK = 1 << 19            # bytes read at a time; dedup is vectorized per block
+BLOCK = 1 << 19            # bytes read at a time: one chunk of lines for a worker
+TAKE_BATCH = 4             # chunks deduplicated together (vectorized index work per batch)
 DERIVED_ID_PREFIX = "content:"
 
 # Every reject reason, in the order the report lists them; RUNBOOK.md has a heading
@@ -920,6 +921,9 @@ class Exporter:
     """Takes process_chunk results in input order; keeps the digest indexes and the files."""
 
     def __init__(self, tmp: Path, s: dict):
+        # numpy here does vector lookups only: no BLAS thread pool (spinning threads, memory).
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, "1")
         import numpy as np
 
         self.np = np
@@ -944,12 +948,18 @@ class Exporter:
         rep[order] = adjacent_equal(sk[0])
         return state, rep
 
-    def take(self, chunk: bytes, fname: str, base: int, result: tuple) -> None:
-        """Dedup and write one chunk's result; `base` is the line number before the chunk."""
+    def take(self, items: list[tuple]) -> None:
+        """Dedup and write the results of consecutive chunks, as one batch (the index work
+        is per batch, so fewer, larger batches cost less). items: (chunk, file name, line
+        number before the chunk, process_chunk's result), in input order."""
         np = self.np
-        _, blobs, ends, split_b, rds, cds, flags, pos, rejects = result
-        conflicts = []
-        if pos:
+        results = [it[3] for it in items]
+        counts = [len(r[7]) for r in results]
+        rds = b"".join(r[4] for r in results)
+        cds = b"".join(r[5] for r in results)
+        conflicts: list[int] = []
+        keep = split = None
+        if rds:
             rk = as_u64(rds)
             ck = as_u64(cds)
             g_r, rep_r = self._state(self.rids, [*rk, *ck])
@@ -985,37 +995,43 @@ class Exporter:
             if new_c:
                 new = [np.concatenate([a, b]) for a, b in zip(new, as_u64(b"".join(new_c)), strict=True)]
             self.contents.add(new)
-            split = np.frombuffer(split_b, np.uint8)
-            for k, name in enumerate(SPLITS):
-                kk = keep[split == k]
-                if kk.all():  # nothing dropped: the worker's bytes as they are
-                    self.outs[name].write(blobs[k], len(kk))
-                else:  # cut the dropped lines out: one slice per run of kept lines
-                    e = np.frombuffer(ends[k], np.uint64)
-                    blob, pieces, at = blobs[k], [], 0
-                    for d in np.nonzero(~kk)[0].tolist():
-                        start = int(e[d - 1]) if d else 0
-                        pieces.append(blob[at:start])
-                        at = int(e[d])
-                    pieces.append(blob[at:])
-                    self.outs[name].write(b"".join(pieces), int(kk.sum()))
-            fl = np.frombuffer(flags, np.uint8)[keep]
+            split = np.frombuffer(b"".join(r[3] for r in results), np.uint8)
+            fl = np.frombuffer(b"".join(r[6] for r in results), np.uint8)[keep]
             if fl.any():
                 for bit, key in ((1, "record_id"), (2, "weight"), (4, "source")):
                     self.derived[key] += int(np.count_nonzero(fl & bit))
-        if conflicts:
-            raw = chunk.split(b"\n")
-            for j in conflicts:
-                i = pos[j]
-                rejects.append((i, "record_id_conflict", reject_line(
-                    fname, base + i + 1, raw[i], "record_id_conflict",
-                    "this record_id was seen earlier with different content; give one of "
-                    "them its own record_id")))
-            rejects.sort(key=lambda r: r[0])
-        for _, reason, _ in rejects:
-            self.by_reason[reason] += 1
-        if rejects:
-            self.outs["rejects"].write(b"".join(r[2] for r in rejects), len(rejects))
+        off = 0
+        for (chunk, fname, base, r), n in zip(items, counts, strict=True):
+            _, blobs, ends, _, _, _, _, pos, rejects = r
+            if n:
+                kk_all, sp = keep[off:off + n], split[off:off + n]
+                for k, name in enumerate(SPLITS):
+                    kk = kk_all[sp == k]
+                    if kk.all():  # nothing dropped: the worker's bytes as they are
+                        self.outs[name].write(blobs[k], len(kk))
+                    else:  # cut the dropped lines out: one slice per run of kept lines
+                        e = np.frombuffer(ends[k], np.uint64)
+                        blob, pieces, at = blobs[k], [], 0
+                        for d in np.nonzero(~kk)[0].tolist():
+                            pieces.append(blob[at:int(e[d - 1]) if d else 0])
+                            at = int(e[d])
+                        pieces.append(blob[at:])
+                        self.outs[name].write(b"".join(pieces), int(kk.sum()))
+            mine = [j - off for j in conflicts if off <= j < off + n]
+            if mine:
+                raw = chunk.split(b"\n")
+                for j in mine:
+                    i = pos[j]
+                    rejects.append((i, "record_id_conflict", reject_line(
+                        fname, base + i + 1, raw[i], "record_id_conflict",
+                        "this record_id was seen earlier with different content; give one "
+                        "of them its own record_id")))
+                rejects.sort(key=lambda x: x[0])
+            for _, reason, _ in rejects:
+                self.by_reason[reason] += 1
+            if rejects:
+                self.outs["rejects"].write(b"".join(x[2] for x in rejects), len(rejects))
+            off += n
 
     def close(self) -> dict:
         self.writer.close()
@@ -1194,16 +1210,25 @@ def run_export(files: list[Path], tmp: Path, s: dict, workers: int = 1) -> dict:
         else:
             init_worker(s)
         i = 0
+        batch: list[tuple] = []  # results waiting to be taken together
+
+        def take_some(final: bool = False) -> None:
+            if batch and (final or len(batch) >= TAKE_BATCH):
+                ex.take(batch)
+                batch.clear()
+
         while True:
             item = q.get()
             if item[0] == "chunk":
                 _, fname, base, chunk = item
                 if pool is None:
-                    ex.take(chunk, fname, base, process_chunk(chunk, fname, base))
+                    batch.append((chunk, fname, base, process_chunk(chunk, fname, base)))
+                    take_some()
                     continue
                 k = i % workers
                 if slots[k] is not None:  # chunk i - workers, the oldest in flight
-                    ex.take(*slots[k], pool.result(k))
+                    batch.append((*slots[k], pool.result(k)))
+                    take_some()
                 pool.submit(k, (chunk, fname, base))
                 slots[k] = (chunk, fname, base)
                 i += 1
@@ -1216,7 +1241,8 @@ def run_export(files: list[Path], tmp: Path, s: dict, workers: int = 1) -> dict:
         if pool is not None:
             for j in range(i, i + workers):
                 if slots[j % workers] is not None:
-                    ex.take(*slots[j % workers], pool.result(j % workers))
+                    batch.append((*slots[j % workers], pool.result(j % workers)))
+        take_some(final=True)
         files_meta = ex.close()
     except BaseException:
         ex.abort()
