@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, paths  # noqa: E402
-from lib.hashing import iter_files, sha256_file  # noqa: E402
+from lib.hashing import HashCache, iter_files  # noqa: E402
 from lib.hostfile import Hostfile, check_path, is_local  # noqa: E402
 from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
@@ -52,26 +52,41 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PROBE_TIMEOUT = 60
 RSYNC_TIMEOUT = 3600
 
-# Read-only probe. $1 = root; then groups "--hash f..." and "--exists f...". Prints
-# `HOME <dir>`, then `<sha256>  <path>`, `MISSING  <path>` or `EXISTS  <path>` per file.
-# The script is a constant; every value reaches it as a positional argument.
+# The probe. $1 = root; then groups "--hash f..." and "--exists f...". Prints `HOME <dir>`,
+# then `<sha256>  <path>`, `MISSING  <path>` or `EXISTS  <path>` per file. It changes
+# nothing but its hash cache (REMOTE_ROOT/.thunder-sync-hashes: sha256 by size, mtime, ctime
+# and inode, like git's index; a write always changes ctime, and entries younger than 2 s
+# are not kept, so a cached hash is never stale). The script is a constant; every value
+# reaches it as a positional argument.
 PROBE_SH = r"""
 root=$1; shift
 printf 'HOME %s\n' "$HOME"
 if [ ! -d "$root" ]; then echo NOROOT; exit 0; fi
 cd "$root" || exit 3
 if command -v sha256sum >/dev/null 2>&1; then h=sha256sum; else h="shasum -a 256"; fi
+if stat -c %s . >/dev/null 2>&1; then fmt="-c %s:%Y:%Z:%i"; else fmt="-f %z:%m:%c:%i"; fi
+cache=.thunder-sync-hashes
+now=$(date +%s)
+new=$(mktemp "$root/.thunder-sync-hashes.XXXXXX" 2>/dev/null) || new=/dev/null
 mode=hash
 for f in "$@"; do
   case "$f" in
     --hash) mode=hash; continue;;
     --exists) mode=exists; continue;;
   esac
-  if [ ! -f "$f" ]; then printf 'MISSING  %s\n' "$f"
-  elif [ "$mode" = exists ]; then printf 'EXISTS  %s\n' "$f"
-  else $h -- "$f" || exit 3
+  if [ ! -f "$f" ]; then printf 'MISSING  %s\n' "$f"; continue; fi
+  if [ "$mode" = exists ]; then printf 'EXISTS  %s\n' "$f"; continue; fi
+  key=$(stat $fmt -- "$f") || exit 3
+  sum=$(awk -v k="$key" -v p="$f" '$2 == k && $3 == p { print $1; exit }' "$cache" 2>/dev/null)
+  if [ -z "$sum" ]; then
+    sum=$($h -- "$f") || exit 3
+    sum=${sum%% *}
   fi
+  printf '%s  %s\n' "$sum" "$f"
+  ctime=${key#*:*:}; ctime=${ctime%%:*}
+  if [ $((now - ctime)) -gt 2 ]; then printf '%s %s %s\n' "$sum" "$key" "$f" >> "$new"; fi
 done
+if [ "$new" != /dev/null ]; then mv -f "$new" "$cache" 2>/dev/null || rm -f "$new"; fi
 """
 
 # Swap a fully transferred staging folder into place: $1 = parent, $2 = name,
@@ -148,6 +163,10 @@ def model_rel(model: str) -> str | None:
             "move or link it under models/",
             "sync-model",
         ) from None
+
+
+CACHE = HashCache(paths.ROOT / ".stamps" / "sync-hashes.json")
+sha256_file = CACHE.sha256
 
 
 def load_manifest(dataset: str) -> tuple[dict[str, str], list[str]]:
@@ -356,6 +375,7 @@ def main() -> int:
 
     with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
         list(pool.map(one, hosts))
+    CACHE.save()
 
     code_rc = 0
     for h in hosts:

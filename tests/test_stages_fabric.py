@@ -22,6 +22,18 @@ DATASET = "domain_sft_v1_high_signal_thunder"
 MODEL = "models/tiny-gemma4"
 
 
+@pytest.fixture(autouse=True)
+def fresh_runs():
+    """Each test starts without the run folders and stamps of an earlier session."""
+    import shutil
+
+    for d in (ROOT / "runs").glob("fab-*"):
+        shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink()
+    for st in (ROOT / ".stamps").glob("*.fab-*"):
+        st.unlink()
+    yield
+
+
 def fab_vars(fabric, hosts, run, **extra):
     hf = fabric.hostfile(hosts)
     v = {"RUN": run, "HOSTFILE": str(hf), "REMOTE_ROOT": fabric.remote_root, "PYTHON": fabric.python,

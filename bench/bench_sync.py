@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""bench_sync: `bin/sync.py` against a bare `rsync -a` of the same files to the same hosts.
+
+Usage:
+    python bench/bench_sync.py [--mb 200] [--hosts 2] [--min-ratio 0.7] [--max-noop-s 1.0]
+
+Example (root, needs the multi-host test fabric: ip, unshare, Debian's openssh-server):
+    .venv/bin/python bench/bench_sync.py
+
+Brings up its own fabric instance (tests/fabric.py), writes a dataset of --mb megabytes
+(three JSONL splits and an exporter-shaped manifest) under datasets/, then, to the same
+hosts in parallel, in the same run:
+  1. baseline: `rsync -a` of the dataset folder over the fabric's ssh to a scratch folder;
+  2. `bin/sync.py` of the same dataset into a fresh REMOTE_ROOT (probe, transfer, swap,
+     verify by sha256 on each host);
+  3. `bin/sync.py` again with nothing changed (the no-op re-sync).
+Prints `sync_throughput_mb_s: X (ratio Y vs bare rsync Z MB/s)` and
+`sync_noop_s: X (ratio Y vs target T s)`; exits 1 when a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from lib import atomic  # noqa: E402
+from lib.hashing import digest_of, sha256_file  # noqa: E402
+from lib.remote import rsh  # noqa: E402
+
+PY = str(ROOT / ".venv" / "bin" / "python")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mb", type=int, default=200, help="dataset size in MB")
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--min-ratio", type=float, default=0.7)
+    p.add_argument("--max-noop-s", type=float, default=1.0)
+    return p
+
+
+def make_dataset(name: str, mb: int) -> Path:
+    d = ROOT / "datasets" / name
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    line = json.dumps({"messages": [{"role": "user", "content": "q " * 100},
+                                    {"role": "assistant", "content": "a " * 140}]}) + "\n"
+    per = {"train.jsonl": 0.9, "valid.jsonl": 0.05, "test.jsonl": 0.05}
+    for fname, share in per.items():
+        n = int(mb * 1e6 * share / len(line))
+        with open(d / fname, "w") as f:
+            for i in range(n):
+                f.write(line.replace('"q ', f'"{i} ', 1))
+    (d / "rejects.jsonl").write_text("")
+    files = {n: {"sha256": sha256_file(d / n), "bytes": (d / n).stat().st_size}
+             for n in ("train.jsonl", "valid.jsonl", "test.jsonl", "rejects.jsonl")}
+    atomic.write_json(d / "manifest.json", {"files": files, "dataset_sha256": digest_of(
+        {n: files[n]["sha256"] for n in ("train.jsonl", "valid.jsonl", "test.jsonl")})})
+    return d
+
+
+def dir_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    import fabric as fabric_mod
+
+    why = fabric_mod.unavailable()
+    if why:
+        print(f"bench_sync: skipped: the fabric cannot exist here: {why}")
+        return 2
+    fdir = ROOT / "runs" / "fabric-bench-sync"
+    env_up = {"FABRIC_DIR": str(fdir), "FABRIC_PREFIX": "bsync", "FABRIC_SUBNET": "auto"}
+    import os
+
+    env = dict(os.environ, **env_up)
+    subprocess.run(["make", "--no-print-directory", "fabric-up", f"HOSTS={args.hosts}"], cwd=ROOT, env=env,
+                   check=True, capture_output=True)
+    name = "bench-sync"
+    try:
+        fab = fabric_mod.Fabric(str(fdir))
+        fenv = fab.env()
+        hosts = fab.hosts[: args.hosts]
+        hf = fab.hostfile(hosts)
+        d = make_dataset(name, args.mb)
+        total = dir_bytes(d) * len(hosts)
+
+        def bare(h):
+            subprocess.run(["rsync", "-a", "-e", rsh(), f"{d}/", f"{h}:{fab.remote_root}/bare-{name}/"],
+                           check=True, env=fenv, capture_output=True)
+
+        # Warm the page cache of the source for both: the same bytes are read either way.
+        for f in d.iterdir():
+            f.read_bytes()
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(hosts)) as pool:
+            list(pool.map(bare, hosts))
+        bare_s = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        p = subprocess.run([PY, "bin/sync.py", "--hostfile", str(hf), "--remote-root", fab.remote_root,
+                            "--dataset", name], cwd=ROOT, env=fenv, capture_output=True, text=True)
+        sync_s = time.perf_counter() - t0
+        if p.returncode != 0:
+            print(p.stdout, p.stderr)
+            return 2
+        t0 = time.perf_counter()
+        p = subprocess.run([PY, "bin/sync.py", "--hostfile", str(hf), "--remote-root", fab.remote_root,
+                            "--dataset", name], cwd=ROOT, env=fenv, capture_output=True, text=True)
+        noop_s = time.perf_counter() - t0
+        if p.returncode != 0 or p.stdout.count("actions none bytes 0") != len(hosts):
+            print(p.stdout, p.stderr)
+            return 2
+    finally:
+        shutil.rmtree(ROOT / "datasets" / name, ignore_errors=True)
+        subprocess.run(["make", "--no-print-directory", "fabric-down"], cwd=ROOT, env=env, capture_output=True)
+
+    mb = total / 1e6
+    bare_tp, sync_tp = mb / bare_s, mb / sync_s
+    ratio = sync_tp / bare_tp
+    print(f"bare_rsync_mb_s: {bare_tp:.1f} ({mb:.0f} MB to {len(hosts)} hosts in {bare_s:.2f} s)")
+    print(f"sync_throughput_mb_s: {sync_tp:.1f} (ratio {ratio:.2f} vs bare rsync {bare_tp:.1f} MB/s; "
+          f"target >= {args.min_ratio}; includes probe, swap and sha256 verification on each host)")
+    print(f"sync_noop_s: {noop_s:.3f} (ratio {noop_s / args.max_noop_s:.2f} vs target {args.max_noop_s} s, "
+          f"{len(hosts)} hosts)")
+    ok = ratio >= args.min_ratio and noop_s <= args.max_noop_s
+    print(f"bench_sync: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
