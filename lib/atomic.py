@@ -29,6 +29,12 @@ def fsync_fd(fd: int) -> None:
     os.fsync(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def fsync_dir(path: os.PathLike | str) -> None:
     """Make a rename or a new entry in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -47,6 +53,7 @@ def atomic_open(path: os.PathLike | str, mode: str = "w", **kw: Any) -> Iterator
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the result is an ordinary file
     try:
         with os.fdopen(fd, mode, **kw) as f:
             yield f
@@ -92,6 +99,7 @@ def atomic_dir(path: os.PathLike | str) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; the result is an ordinary folder
     try:
         yield tmp
         for child in tmp.rglob("*"):

@@ -170,3 +170,15 @@ def test_no_machine_paths_in_repo():
         p = ROOT / f
         if p.is_file() and p.suffix not in (".lock",) and os.path.getsize(p) < 2_000_000:
             assert here not in p.read_text(errors="ignore"), f"{f} contains this machine's path {here}"
+
+
+def test_atomic_writes_get_ordinary_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        atomic.write_text(tmp_path / "f", "x")
+        with atomic.atomic_dir(tmp_path / "d") as t:
+            (t / "x").write_text("1")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "f").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o755
