@@ -54,5 +54,7 @@ def test_demo_on_two_host_fabric(fabric):
     hf = fabric.hostfile(2)
     make("demo", "DEMO_RUN=demo-fab", f"DEMO_HOSTFILE={hf}", f"DEMO_REMOTE_ROOT={fabric.remote_root}",
          env=fabric.env(), timeout=900)
-    report = check_report("demo-fab")
-    assert report is not None
+    check_report("demo-fab")
+    from test_stages_fabric import check_smoke
+
+    check_smoke("demo-fab", fabric, fabric.hosts[:2])
