@@ -72,6 +72,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import socket
 import sys
 import time
@@ -615,13 +616,14 @@ class Wandb:
 
 
 def print_ladder(cfg: dict, world: int, log: RankLog) -> None:
+    """The out-of-memory fallback ladder as trainer command lines, ready to paste after
+    the same `mlx.launch --hostfile ... --` (each rung in its own run folder)."""
     argv = [sys.executable, "bin/train.py"] + [a for a in sys.argv[1:] if a != "--resume"]
     log.line("oom", rank=log.rank, message=json.dumps(
-        "out of memory or GPU timeout: retry with a new --run-dir, one rung at a time, "
-        "through the same launcher (mlx.launch --hostfile ... --), every rank"))
-    import shlex
-
+        "out of memory or GPU timeout: retry one rung at a time, every rank through the same "
+        "launcher (mlx.launch --hostfile HOSTFILE --backend ring -- <rung>)"))
     for n, (what, rung) in enumerate(C.fallback_ladder(cfg, argv, world), 1):
+        rung = C.set_flag(rung, "--run-dir", f"{str(log.run_dir).rstrip('/')}-oom{n}")
         log.line("oom-fallback", rung=n, what=json.dumps(what))
         print("    " + shlex.join(rung), flush=True)
         log.f.write("    " + shlex.join(rung) + "\n")
@@ -646,23 +648,21 @@ def main() -> int:
             log = RankLog(run_dir, rank)
         ctx["world"] = group.size()
         return train(args, mx, group, backend, run_dir, log, ctx)
-    except Failure as f:
-        return fail(f, run_dir, log, ctx, args)
-    except RunbookError as e:  # config errors
-        code = CODE_OF.get(e.category, EXIT_USAGE)
-        kind = "stability" if e.category == STABILITY else "config"
-        return fail(Failure(e.args[0], code, e.category, kind, e.anchor), run_dir, log, ctx, args)
-    except (RuntimeError, MemoryError) as e:
-        if C.OOM_RE.search(str(e)):
-            if ctx["cfg"]:
-                print_ladder(ctx["cfg"], ctx["world"], log)
-            return fail(Failure(f"out of memory or GPU timeout: {e}", EXIT_OOM, None, "oom", "out-of-memory"),
-                        run_dir, log, ctx, args)
-        traceback.print_exc()
-        return fail(Failure(f"{type(e).__name__}: {e}", EXIT_ERROR), run_dir, log, ctx, args)
     except Exception as e:
-        traceback.print_exc()
-        return fail(Failure(f"{type(e).__name__}: {e}", EXIT_ERROR), run_dir, log, ctx, args)
+        return fail(as_failure(e), run_dir, log, ctx, args)
+
+
+def as_failure(e: Exception) -> Failure:
+    """An exception as the Failure it stands for (out of memory by MLX's error text)."""
+    if isinstance(e, Failure):
+        return e
+    if isinstance(e, RunbookError):  # config errors
+        kind = "stability" if e.category == STABILITY else "config"
+        return Failure(e.args[0], CODE_OF.get(e.category, EXIT_USAGE), e.category, kind, e.anchor)
+    if isinstance(e, (RuntimeError, MemoryError)) and C.OOM_RE.search(str(e)):
+        return Failure(f"out of memory or GPU timeout: {e}", EXIT_OOM, None, "oom", "out-of-memory")
+    traceback.print_exc()
+    return Failure(f"{type(e).__name__}: {e}", EXIT_ERROR)
 
 
 def fail(f: Failure, run_dir: Path, log: RankLog, ctx: dict, args) -> int:
@@ -670,25 +670,18 @@ def fail(f: Failure, run_dir: Path, log: RankLog, ctx: dict, args) -> int:
     log.line("failed", rank=log.rank, exit_code=f.code, category=json.dumps(f.category), step=ctx["step"],
              message=json.dumps(str(f)))
     print(f"error: {f}", file=sys.stderr, flush=True)
+    if f.code == EXIT_OOM and ctx["cfg"]:
+        print_ladder(ctx["cfg"], ctx["world"], log)
     return f.code
 
 
 def guarded(coll: Collective, fn, *a, **kw):
     """Run one local phase; any failure is agreed with the other ranks."""
+    out, err = None, None
     try:
         out = fn(*a, **kw)
-        err = None
-    except Failure as f:
-        err = f
-    except RunbookError as e:
-        err = Failure(e.args[0], CODE_OF.get(e.category, EXIT_USAGE), e.category,
-                      "stability" if e.category == STABILITY else "config", e.anchor)
     except Exception as e:
-        if isinstance(e, (RuntimeError, MemoryError)) and C.OOM_RE.search(str(e)):
-            err = Failure(f"out of memory or GPU timeout: {e}", EXIT_OOM, None, "oom", "out-of-memory")
-        else:
-            traceback.print_exc()
-            err = Failure(f"{type(e).__name__}: {e}", EXIT_ERROR)
+        err = as_failure(e)
     coll.agree(err)
     return out
 
@@ -775,7 +768,8 @@ def train(args, mx, group, backend: str, run_dir: Path, log: RankLog, ctx: dict)
             log.warn(note)
         if chosen is None:
             raise Failure(f"--resume but no verified checkpoint under {ckroot}"
-                          + (f" (skipped: {'; '.join(f'{n}: {w}' for n, w in skipped)})" if skipped else ""),
+                          + (f" (skipped: {'; '.join(f'{n}: {w}' for n, w in skipped)})" if skipped else "")
+                          + "; start fresh without --resume (RESUME unset)",
                           EXIT_RESUME, None, "resume", "resume")
         st = ckpt.read_state(chosen)
         changed = C.diff_keys(st["config"], cfg)

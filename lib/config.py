@@ -399,7 +399,7 @@ OOM_RE = re.compile(
 )
 
 
-def _set_flag(argv: list[str], flag: str, value: Any) -> list[str]:
+def set_flag(argv: list[str], flag: str, value: Any) -> list[str]:
     out = list(argv)
     for i, a in enumerate(out):
         if a == flag and i + 1 < len(out):
@@ -430,8 +430,8 @@ def fallback_ladder(cfg: dict, argv: list[str], world_size: int) -> list[tuple[s
         ("--steps-per-eval", cfg["steps_per_eval"] * factor),
         ("--steps-per-report", cfg["steps_per_report"] * factor),
     ):
-        rung1 = _set_flag(rung1, flag, value)
-    rung2 = _set_flag(rung1, "--max-seq-length", max(cfg["max_seq_length"] // 2, 2))
+        rung1 = set_flag(rung1, flag, value)
+    rung2 = set_flag(rung1, "--max-seq-length", max(cfg["max_seq_length"] // 2, 2))
     rungs = []
     if per_rank > 1:
         rungs.append((f"per-rank batch 1, grad accumulation {accum}, global batch {cfg['batch_size']}", rung1))

@@ -296,7 +296,6 @@ def test_reported_loss_matches_mlx_lm_lora_under_mlx_launch(baseline, model, dat
 def test_each_rank_gets_mlx_lms_batches(model, data):
     """The trainer's batch plan and DataOrder against mlx-lm's own iterate_batches, for
     rank 0 and rank 1 of 2 and for a single rank, over three epochs."""
-    import importlib.util
     import types
 
     import mlx.core as mx
@@ -305,9 +304,7 @@ def test_each_rank_gets_mlx_lms_batches(model, data):
     from mlx_lm.tuner.trainer import iterate_batches
     from mlx_lm.utils import load
 
-    spec = importlib.util.spec_from_file_location("train", ROOT / "bin" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = load_trainer()
     _, tok = load(str(model))
     ds = CacheDataset(load_local_dataset(data, tok, types.SimpleNamespace(mask_prompt=False))[0])
     for rank, size in ((0, 2), (1, 2), (0, 1)):
@@ -432,20 +429,46 @@ def test_resume_config_hash_ignores_only_resumable_keys():
     assert C.config_hash(a) != C.config_hash(c) and C.diff_keys(a, c) == ["learning_rate"]
 
 
-def test_out_of_memory_ladder_keeps_the_global_batch():
-    metal = ("libc++abi: terminating due to uncaught exception of type std::runtime_error: [METAL] Command "
-             "buffer execution failed: Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)")
-    assert C.OOM_RE.search(metal) and C.OOM_RE.search("kIOGPUCommandBufferCallbackErrorTimeout")
-    assert not C.OOM_RE.search("ValueError: shapes do not match")
-    cfg = C.resolve(ROOT / "configs" / "stage1.yaml", {"model": "m", "data": "d"})
-    argv = ["python", "bin/train.py", "--config", "configs/stage1.yaml", "--run-dir", "runs/x"]
-    rungs = C.fallback_ladder(cfg, argv, world_size=2)
-    assert len(rungs) == 2
+def load_trainer():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("train", ROOT / "bin" / "train.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
+    return train
+
+
+METAL_OOM = ("[METAL] Command buffer execution failed: Insufficient Memory "
+             "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)")
+
+
+def test_out_of_memory_prints_the_ladder_and_its_failure_file(tmp_path, monkeypatch, capsys):
+    """MLX's Metal out-of-memory text (recorded on a Mac; no Metal here) through the
+    trainer's failure path: exit 13, failure.json kind oom, the rungs as commands."""
+    train = load_trainer()
+    run_dir = tmp_path / "run"
+    argv = ["bin/train.py", "--config", "configs/stage1.yaml", "--run-dir", str(run_dir)]
+    monkeypatch.setattr(sys, "argv", argv)
+    cfg = C.resolve(ROOT / "configs" / "stage1.yaml", {"model": "m", "data": "d"})
+    log = train.RankLog(run_dir, 0)
+    f = train.as_failure(RuntimeError(METAL_OOM))
+    code = train.fail(f, run_dir, log, {"step": 7, "cfg": cfg, "world": 2}, train.build_parser().parse_args(argv[1:]))
+    out = capsys.readouterr().out
+    assert code == 13 and failure(run_dir)["kind"] == "oom" and failure(run_dir)["step"] == 7
+    rungs = [line.strip() for line in out.splitlines() if line.startswith("    ")]
+    assert "oom-fallback rung 1" in out and len(rungs) == 2
+    assert "--batch-size 2 --grad-accumulation-steps 4 --iters 4000" in rungs[0]
+    assert f"--run-dir {run_dir}-oom1" in rungs[0] and "--max-seq-length 1024" in rungs[1]
+
+
+def test_out_of_memory_ladder_keeps_the_global_batch():
+    assert C.OOM_RE.search(METAL_OOM) and C.OOM_RE.search("kIOGPUCommandBufferCallbackErrorTimeout")
+    assert not C.OOM_RE.search("ValueError: shapes do not match")
+    cfg = C.resolve(ROOT / "configs" / "stage1.yaml", {"model": "m", "data": "d"})
+    argv = ["python", "bin/train.py", "--config", "configs/stage1.yaml", "--run-dir", "runs/x"]
+    rungs = C.fallback_ladder(cfg, argv, world_size=2)
+    assert len(rungs) == 2
+    train = load_trainer()
     for n, (_, rung) in enumerate(rungs):
         args = train.build_parser().parse_args(rung[2:])
         r = C.resolve(args.config, {**train.overrides(args), "model": "m", "data": "d"})

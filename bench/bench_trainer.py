@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""bench_trainer: bin/train.py's throughput against raw `mlx_lm lora`, and its checkpoint cost.
+
+Usage:
+    python bench/bench_trainer.py [--config configs/stage1.yaml] [--iters N] [--runs N]
+        [--model models/tiny-gemma4] [--data datasets/NAME] [--hostfile hostfile.local.json]
+        [--min-ratio 0.97] [--max-ckpt-pct 3.0] [--json OUT] [--keep]
+
+Example:
+    .venv/bin/python bench/bench_trainer.py --iters 100 --runs 2
+
+Runs the same config, seed, data, model and ranks (mlx.launch --hostfile, ring backend)
+through bin/train.py and through `mlx_lm lora`, alternating (trainer, mlx-lm, trainer, ...)
+--runs times each, so that load on the machine falls on both alike. Throughput is what each
+reports for its training steps (tokens / step time, validation and saving excluded, as
+mlx-lm counts them), over every report window but the first (compilation); both see the
+same tokens in the same order, so each window's tokens come from the trainer's metrics and
+each tool's time is tokens / its reported tok/s. The checkpoint cost is the trainer's time
+in checkpoints (write, fsync, rename, verify-manifest, prune, and the adapter copy) as a
+percentage of its training loop's wall clock, at the config's save_every. Also checks that
+the two report the same losses (the runs are the same run). Prints the medians:
+    trainer_tok_per_s: X (ratio X/Y vs mlx_lm lora)
+    mlx_lm_lora_tok_per_s: Y (ratio 1.00 vs itself)
+    trainer_wall_s: A (ratio A/B vs mlx_lm lora, process start to exit)
+    checkpoint_pct_of_train_wall: P (ratio P/3 vs the 3% budget)
+and exits 1 when the tok/s ratio is under --min-ratio or the checkpoint share over
+--max-ckpt-pct (the issue's targets), 2 when a run fails or the losses disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lib import atomic  # noqa: E402
+from lib import config as C  # noqa: E402
+
+PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
+LAUNCH = str(Path(PY).with_name("mlx.launch"))
+ROW = re.compile(r"^\s*(\d+)\s+([0-9.]+) [▼▲]\s+([0-9,]+)\s+([0-9.]+)k\s*$")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/stage1.yaml")
+    p.add_argument("--iters", type=int, default=None,
+                   help="steps per run (default: the config's save_every, so one checkpoint at the default cadence)")
+    p.add_argument("--runs", type=int, default=2, help="runs of each tool, alternating (default 2)")
+    p.add_argument("--model", default="models/tiny-gemma4")
+    p.add_argument("--data", default="datasets/domain_sft_v1_high_signal_thunder")
+    p.add_argument("--hostfile", default="hostfile.local.json")
+    p.add_argument("--min-ratio", type=float, default=0.97)
+    p.add_argument("--max-ckpt-pct", type=float, default=3.0)
+    p.add_argument("--json", help="also write the numbers to this file")
+    p.add_argument("--keep", action="store_true", help="keep the run folders (printed)")
+    return p
+
+
+def free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port > 65000:
+            continue
+        with socket.socket() as s2:
+            try:
+                s2.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+def launch(args, cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    argv = [LAUNCH, "--hostfile", args.hostfile, "--backend", "ring", "--starting-port", str(free_port_pair()),
+            "--", PY, *cmd]
+    t0 = time.monotonic()
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=7200)
+    return p, time.monotonic() - t0
+
+
+def run_trainer(args, cfg_path: str, run_dir: Path) -> dict:
+    cmd = ["bin/train.py", "--config", cfg_path, "--model", args.model, "--data", args.data,
+           "--run-dir", str(run_dir), "--iters", str(args.iters)]
+    p, wall = launch(args, cmd)
+    fails = list(run_dir.glob("logs/rank-*.failure.json"))
+    if p.returncode or fails or "done step" not in p.stdout:
+        raise RuntimeError(f"trainer run failed: {[f.read_text() for f in fails]}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    evs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trains = [e for e in evs if e["kind"] == "train"]
+    done = [e for e in evs if e["kind"] == "done"][-1]
+    return {"windows": {e["step"]: (e["loss"], e["tokens"], e["tok_per_s"]) for e in trains}, "wall_s": wall,
+            "checkpoint_s": done["checkpoint_s"], "train_wall_s": done["train_wall_s"],
+            "checkpoints": sum(e["kind"] == "checkpoint" for e in evs)}
+
+
+def run_mlx_lm(args, cfg_path: str, adapter_dir: Path) -> dict:
+    cmd = ["-m", "mlx_lm", "lora", "-c", cfg_path, "--train", "--model", args.model, "--data", args.data,
+           "--iters", str(args.iters), "--adapter-path", str(adapter_dir)]
+    p, wall = launch(args, cmd)
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout)
+    rows = {int(m.group(1)): (float(m.group(2)), float(m.group(3).replace(",", "")))
+            for m in map(ROW.match, plain.splitlines()) if m}
+    if p.returncode or not rows or "Node with rank" in p.stderr and "exited with code" in p.stderr:
+        raise RuntimeError(f"mlx_lm lora failed\n{plain[-3000:]}\n{p.stderr[-3000:]}")
+    return {"windows": rows, "wall_s": wall}
+
+
+def throughput(windows_tokens: dict[int, int], tps: dict[int, float]) -> float:
+    steps = sorted(windows_tokens)[1:]  # the first window pays for compilation
+    tokens = sum(windows_tokens[s] for s in steps)
+    seconds = sum(windows_tokens[s] / tps[s] for s in steps)
+    return tokens / seconds
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    cfg = C.resolve(args.config, {"model": args.model, "data": args.data, "iters": args.iters})
+    args.iters = args.iters or cfg["save_every"]
+    if not (ROOT / args.model / "config.json").is_file() and not Path(args.model).is_dir():
+        print(f"error: model {args.model} not found: run `make tiny-model`", file=sys.stderr)
+        return 2
+    if not (ROOT / args.data / "train.jsonl").is_file() and not (Path(args.data) / "train.jsonl").is_file():
+        print(f"error: dataset {args.data} not found: run `make export`", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="bench-trainer-", dir=ROOT / "runs"))
+    ours, theirs = [], []
+    try:
+        for i in range(args.runs):
+            ours.append(run_trainer(args, args.config, work / f"trainer-{i}"))
+            theirs.append(run_mlx_lm(args, args.config, work / f"mlx-lm-{i}"))
+            print(f"run {i + 1}/{args.runs}: trainer {ours[-1]['wall_s']:.1f} s, mlx_lm lora {theirs[-1]['wall_s']:.1f} s",
+                  flush=True)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    worst = 0.0
+    for o, t in zip(ours, theirs, strict=True):
+        if sorted(o["windows"]) != sorted(t["windows"]):
+            print(f"error: report steps differ: {sorted(o['windows'])} vs {sorted(t['windows'])}", file=sys.stderr)
+            return 2
+        worst = max(worst, *(abs(o["windows"][s][0] - t["windows"][s][0]) / abs(t["windows"][s][0])
+                             for s in o["windows"]))
+    if worst > 1e-3:
+        print(f"error: the two runs report different losses (worst relative {worst:.2e})", file=sys.stderr)
+        return 2
+
+    tok = {s: w[1] for s, w in ours[0]["windows"].items()}
+    ours_tps = statistics.median(throughput(tok, {s: w[2] for s, w in o["windows"].items()}) for o in ours)
+    theirs_tps = statistics.median(throughput(tok, {s: w[1] for s, w in t["windows"].items()}) for t in theirs)
+    ours_wall = statistics.median(o["wall_s"] for o in ours)
+    theirs_wall = statistics.median(t["wall_s"] for t in theirs)
+    ckpt_pct = statistics.median(100 * o["checkpoint_s"] / o["train_wall_s"] for o in ours)
+    ratio = ours_tps / theirs_tps
+    print(f"config: {args.config} iters {args.iters} save_every {cfg['save_every']} "
+          f"checkpoints/run {ours[0]['checkpoints']} batch {cfg['batch_size']} ranks via {args.hostfile} "
+          f"model {args.model} data {args.data}; losses agree (worst relative {worst:.1e})")
+    print(f"trainer_tok_per_s: {ours_tps:.1f} (ratio {ratio:.3f} vs mlx_lm lora)")
+    print(f"mlx_lm_lora_tok_per_s: {theirs_tps:.1f} (ratio 1.000 vs itself)")
+    print(f"trainer_wall_s: {ours_wall:.1f} (ratio {ours_wall / theirs_wall:.3f} vs mlx_lm lora, process start to exit)")
+    print(f"checkpoint_pct_of_train_wall: {ckpt_pct:.2f} (ratio {ckpt_pct / args.max_ckpt_pct:.3f} "
+          f"vs the {args.max_ckpt_pct:g}% budget)")
+    if args.json:
+        atomic.write_json(args.json, {"trainer_tok_per_s": ours_tps, "mlx_lm_lora_tok_per_s": theirs_tps,
+                                      "ratio": ratio, "trainer_wall_s": ours_wall, "mlx_lm_wall_s": theirs_wall,
+                                      "checkpoint_pct_of_train_wall": ckpt_pct, "runs": args.runs,
+                                      "iters": args.iters, "config": args.config})
+    return 0 if ratio >= args.min_ratio and ckpt_pct <= args.max_ckpt_pct else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
