@@ -61,8 +61,18 @@ Exit codes (every rank):
        divergence_factor x the first step's within divergence_window steps
     13 out of memory or GPU timeout (the fallback ladder is printed as commands)
     14 resume impossible: no verified checkpoint, or the config changed
-A failure on one rank is agreed with the others at the next collective point, so every
-rank exits with the failing rank's code and writes its own failure.json.
+Before training, a failure on one rank (config, data, model, checkpoint pick) is agreed
+with the others, so every rank exits with the failing rank's code and writes its own
+failure.json (naming the rank that failed). In the loop, NaN/divergence is judged on the
+globally averaged loss, so all ranks stop at the same step with code 12; any other death
+of a rank leaves the others blocked in a collective until mlx.launch stops them (SIGTERM:
+no failure file, exit -15) -- the dead rank's own failure file (if it could write one)
+names the cause.
+
+Run folder reuse: without --resume, rank 0 moves an earlier run's checkpoints/,
+metrics.jsonl and adapters/ to superseded-<time>-<pid>/ before training (nothing is
+deleted). --stop-at-step K ends a run cleanly after step K with a checkpoint at K (a
+preemption, and how the resume tests stop a run).
 """
 
 from __future__ import annotations

@@ -318,6 +318,52 @@ def test_each_rank_gets_mlx_lms_batches(model, data):
             assert tb.tolist() == ob.tolist() and tl.tolist() == ol.tolist(), (rank, size, it)
 
 
+def test_data_order_follows_mlx_lm_train_with_validation_draws(model, data, tmp_path):
+    """mlx-lm's own train() (one rank) with a recording iterate_batches and a trivial model:
+    the batches it trains on, over three epochs with validation every 4 iterations drawing
+    from the same numpy stream, are the trainer's DataOrder batches, step for step."""
+    import types
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    import numpy as np
+    from mlx_lm.tuner.datasets import CacheDataset, load_local_dataset
+    from mlx_lm.tuner.trainer import TrainingArgs, iterate_batches
+    from mlx_lm.tuner.trainer import train as mlx_lm_train
+    from mlx_lm.utils import load
+
+    train = load_trainer()
+    _, tok = load(str(model))
+    tr, va, _ = load_local_dataset(data, tok, types.SimpleNamespace(mask_prompt=False))
+    tr, va = CacheDataset(tr), CacheDataset(va)
+    seen = []
+
+    def recording(dataset, batch_size, max_seq_length, loop=False, seed=None, comm_group=None):
+        for b in iterate_batches(dataset, batch_size, max_seq_length, loop, seed, comm_group):
+            if loop:
+                seen.append(b[0].tolist())
+            yield b
+
+    def loss(m, batch, lengths):
+        return m(batch[:, :1].astype(mx.float32)).mean(), mx.array(1)
+
+    iters, seed = 30, 11
+    np.random.seed(seed)  # what mlx_lm lora's run() does first
+    mlx_lm_train(model=nn.Linear(1, 1), optimizer=optim.SGD(learning_rate=0.0), train_dataset=tr, val_dataset=va,
+                 args=TrainingArgs(batch_size=4, iters=iters, val_batches=1, steps_per_report=10, steps_per_eval=4,
+                                   steps_per_save=10_000, adapter_file=str(tmp_path / "a.safetensors")),
+                 loss=loss, iterate_batches=recording)
+    plan = train.batch_plan(tr, 4, 0, 1)
+    order = train.DataOrder(np, seed, len(plan), len(va) // 4, 4)
+    ours = [train.make_batch(mx, np, tr, plan[order.next(it)], 2048)[0].tolist() for it in range(1, iters + 1)]
+    assert len(seen) == iters and order.epoch == 3
+    assert ours == seen
+    # and without the validation draws the order would differ: the test can fail
+    plain = train.DataOrder(np, seed, len(plan), 0, 4)
+    assert [train.make_batch(mx, np, tr, plan[plain.next(it)], 2048)[0].tolist() for it in range(1, iters + 1)] != seen
+
+
 # ---- the adapter in mlx-lm's layout ----------------------------------------------------------------
 def test_adapter_loads_with_mlx_lm_generate_and_fuse(baseline, model, tmp_path):
     adapters = baseline / "adapters"
