@@ -14,10 +14,14 @@ Brings up its own 3-host test fabric (tests/fabric.py; root, Linux) in runs/fabr
 dataset (2,000 records), pushes it to every host with rsync, then runs the snapshot's
 bin/check_parity.py --json with
 every check on (runtime, code, model, dataset, resources, link) on hosts fab1+fab2 and on
-fab1+fab2+fab3, alternating, --runs times each. The time is the whole command's wall clock,
-interpreter start included: what cron and `make smoke` pay. Prints the medians as
-  check_parity_2hosts_wall_s: X (ratio X/2.0 vs the 2 s budget)
-  check_parity_3hosts_wall_s: Y (ratio Y/X vs the 2-host time)
+fab1+fab2+fab3, interleaved with the baseline: a bare `ssh <host> true` to the same hosts in
+parallel (the floor any remote check pays: ssh, sshd and the login shell), --runs times
+each. The time is the whole command's wall clock, interpreter start included: what cron and
+`make smoke` pay. Prints the medians as
+  ssh_true_2hosts_s: S2
+  ssh_true_3hosts_s: S3 (ratio S3/S2 vs 2 hosts)
+  check_parity_2hosts_wall_s: X (ratio X/2.0 vs the 2 s budget; X/S2 vs bare ssh)
+  check_parity_3hosts_wall_s: Y (ratio Y/X vs the 2-host time; bare ssh's is S3/S2)
 and exits 1 when the 2-host median is over --max-2host-s or the ratio over --max-ratio (the
 issue's targets), 2 when a check does not pass or the fabric cannot exist here.
 """
@@ -96,6 +100,14 @@ def push(fab, env: dict, tree: Path) -> None:
             raise RuntimeError(f"rsync to the fabric exited {p.returncode}")
 
 
+def bare_ssh(fab, env: dict, hosts: int) -> float:
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(["ssh", h, "true"], env=env, stdin=subprocess.DEVNULL) for h in fab.hosts[:hosts]]
+    if any(p.wait(timeout=60) != 0 for p in procs):
+        raise RuntimeError("ssh <host> true failed on the fabric")
+    return time.perf_counter() - t0
+
+
 def one_run(fab, env: dict, tree: Path, hosts: int) -> float:
     cmd = [sys.executable, str(tree / "bin" / "check_parity.py"), "--hostfile", str(fab.hostfile(hosts)),
            "--python", fab.python, "--remote-root", fab.remote_root, "--model", f"models/{TAG}",
@@ -134,8 +146,10 @@ def main() -> int:
         one_run(fab, env, tree, 2)  # warm caches (page cache, pyc) before timing
         one_run(fab, env, tree, 3)
         times: dict[int, list[float]] = {2: [], 3: []}
+        ssh: dict[int, list[float]] = {2: [], 3: []}
         for _ in range(args.runs):
             for n in (2, 3):
+                ssh[n].append(bare_ssh(fab, env, n))
                 times[n].append(one_run(fab, env, tree, n))
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -146,14 +160,20 @@ def main() -> int:
             fabric_mod.down(spec)
 
     two, three = statistics.median(times[2]), statistics.median(times[3])
+    s2, s3 = statistics.median(ssh[2]), statistics.median(ssh[3])
     ratio2, ratio3 = two / args.max_2host_s, three / two
+    print(f"ssh_true_2hosts_s: {s2:.3f}")
+    print(f"ssh_true_3hosts_s: {s3:.3f} (ratio {s3 / s2:.2f} vs 2 hosts)")
     print(f"check_parity_2hosts_wall_s: {two:.3f} (ratio {ratio2:.2f} vs the {args.max_2host_s:g} s budget; "
-          f"min {min(times[2]):.3f}, max {max(times[2]):.3f}, runs {args.runs})")
-    print(f"check_parity_3hosts_wall_s: {three:.3f} (ratio {ratio3:.2f} vs the 2-host time; "
-          f"min {min(times[3]):.3f}, max {max(times[3]):.3f}, runs {args.runs})")
+          f"{two / s2:.2f} vs bare ssh; min {min(times[2]):.3f}, max {max(times[2]):.3f}, runs {args.runs})")
+    print(f"check_parity_3hosts_wall_s: {three:.3f} (ratio {ratio3:.2f} vs the 2-host time, bare ssh's "
+          f"{s3 / s2:.2f}; min {min(times[3]):.3f}, max {max(times[3]):.3f}, runs {args.runs})")
+    with open("/proc/loadavg") as f:
+        print(f"load_average_1m: {f.read().split()[0]} (on {os.cpu_count()} cores)")
     if args.json:
         atomic.write_json(args.json, {"two_hosts_s": times[2], "three_hosts_s": times[3], "median_2": two,
-                                      "median_3": three, "ratio_3_vs_2": ratio3})
+                                      "median_3": three, "ratio_3_vs_2": ratio3, "ssh_true_2_s": ssh[2],
+                                      "ssh_true_3_s": ssh[3]})
     ok = two <= args.max_2host_s and ratio3 <= args.max_ratio
     if not ok:
         print(f"error: over budget (2 hosts <= {args.max_2host_s:g} s, 3 hosts <= {args.max_ratio:g}x 2 hosts)",

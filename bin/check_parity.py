@@ -44,15 +44,15 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
-import traceback
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, parity, paths  # noqa: E402
+# Only what is needed before the probes start: every import here delays all hosts' answers.
+from lib import parity, paths  # noqa: E402
 from lib import parity_probe as local_probe  # noqa: E402
 from lib.hashing import tree_hashes  # noqa: E402
 from lib.hostfile import Hostfile, check_path, is_local  # noqa: E402
@@ -545,11 +545,22 @@ def run_checks(args, deadline: float) -> list[dict]:
         results[h] = parity.probe(h, args.python, inp["root"], probe_params(args, hf, inp, h, peers), budget)
         t_probe[h] = time.monotonic() - t0
 
-    with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
-        futures = [pool.submit(one, h) for h in hosts]
-        ref = local_reference(args, inp)  # hashed here while the hosts answer
-        for fut in futures:
-            fut.result()
+    errors: list[BaseException] = []
+
+    def guarded(h: str):
+        try:
+            one(h)
+        except BaseException as e:  # re-raised below: the check itself broke (UNKNOWN)
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(h,), daemon=True) for h in hosts]
+    for t in threads:
+        t.start()
+    ref = local_reference(args, inp)  # hashed here while the hosts answer
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
     return checks + evaluate(args, hf, inp, ref, results, t_probe)
 
 
@@ -606,6 +617,8 @@ def main() -> int:
                         "see RUNBOOK.md#parity-ssh")]
         code = 3
     except Exception as e:  # the check itself broke: UNKNOWN, with where
+        import traceback
+
         tb = traceback.extract_tb(e.__traceback__)[-1]
         checks = [check("internal", "-", "fail",
                         f"{type(e).__name__}: {e} (at {Path(tb.filename).name}:{tb.lineno})",
@@ -614,6 +627,8 @@ def main() -> int:
     finally:
         signal.alarm(0)
     result = summarize(checks, t0, code)
+    from lib import atomic
+
     atomic.write_json(state / "last.json", result)
     lock.close()
     if args.json:
