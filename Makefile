@@ -125,14 +125,14 @@ RECREATE    ?=
 # the stamp only records the last passing run. With JSON=1 stdout is the JSON object alone.
 .PHONY: check-parity
 check-parity: $(VENV)/.stamp
-	$(if $(JSON),@)$(PY) bin/check_parity.py --hostfile $(HOSTFILE) --python $(PYTHON) --remote-root $(REMOTE_ROOT) --model=$(MODEL) --dataset=$(DATASET) --min-disk-gb $(MIN_DISK_GB)$(if $(JSON), --json)$(if $(DEEP), --deep) || [ $$? -eq 1 ]
+	$(if $(JSON),@)$(PARITY_CMD)$(if $(JSON), --json)$(if $(DEEP), --deep) || [ $$? -eq 1 ]
 	$(if $(JSON),@)mkdir -p $(STAMPS) && touch $(STAMPS)/check-parity
 
 ## provision: create or repair PYTHON's venv on every host from requirements.lock, then check-parity
 .PHONY: provision
 provision: $(VENV)/.stamp | $(STAMPS)
 	$(PY) bin/provision.py --hostfile $(HOSTFILE) --python $(PYTHON)$(if $(BASE_PYTHON), --base-python $(BASE_PYTHON))$(if $(RECREATE), --recreate)
-	$(PY) bin/check_parity.py --hostfile $(HOSTFILE) --python $(PYTHON) --remote-root $(REMOTE_ROOT) --model=$(MODEL) --dataset=$(DATASET) --min-disk-gb $(MIN_DISK_GB) || [ $$? -eq 1 ]
+	$(PARITY_GATE)
 	touch $(STAMPS)/check-parity
 
 ## sync: code + dataset (+ model with SYNC_MODEL=1) to REMOTE_ROOT on every host, verified by hash
@@ -140,7 +140,7 @@ provision: $(VENV)/.stamp | $(STAMPS)
 .PHONY: sync
 sync: datasets/$(DATASET)/manifest.json $(VENV)/.stamp | $(STAMPS)
 	rm -f $(STAMPS)/sync.$(RUN)
-	$(PY) bin/sync.py --hostfile $(HOSTFILE) --remote-root $(REMOTE_ROOT) --dataset $(DATASET) --model $(MODEL) --run $(RUN)$(if $(SYNC_MODEL), --sync-model)$(if $(DRY_RUN), --dry-run)
+	$(SYNC_CMD)$(if $(DRY_RUN), --dry-run)
 	$(if $(DRY_RUN),: dry run: no stamp,touch $(STAMPS)/sync.$(RUN))
 
 # What smoke, train and control share: the launch flags, and the sync and parity
@@ -148,8 +148,8 @@ sync: datasets/$(DATASET)/manifest.json $(VENV)/.stamp | $(STAMPS)
 MODEL_DEP   := $(if $(filter models/tiny-%,$(MODEL)),$(MODEL)/config.json)
 CODE        := $(wildcard bin/*.py) $(LIB) $(wildcard configs/*.yaml) $(LOCK)
 LAUNCH_ARGS  = --run $(RUN) --hostfile $(HOSTFILE) --model $(MODEL) --dataset $(DATASET) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(SEED), --seed $(SEED))$(if $(WATCHDOG), --watchdog $(WATCHDOG))$(if $(PORT), --port $(PORT))
-SYNC_CMD     = $(PY) bin/sync.py --hostfile $(HOSTFILE) --remote-root $(REMOTE_ROOT) --dataset $(DATASET) --model $(MODEL) --run $(RUN)$(if $(SYNC_MODEL), --sync-model)
-PARITY_CMD   = $(PY) bin/check_parity.py --hostfile $(HOSTFILE) --python $(PYTHON) --remote-root $(REMOTE_ROOT) --model $(MODEL) --dataset $(DATASET)
+SYNC_CMD     = $(PY) bin/sync.py --hostfile $(HOSTFILE) --remote-root $(REMOTE_ROOT) --dataset $(DATASET) --model=$(MODEL) --run $(RUN)$(if $(SYNC_MODEL), --sync-model)
+PARITY_CMD   = $(PY) bin/check_parity.py --hostfile $(HOSTFILE) --python $(PYTHON) --remote-root $(REMOTE_ROOT) --model=$(MODEL) --dataset=$(DATASET) --min-disk-gb $(MIN_DISK_GB)
 
 # check-parity exit 1 is WARNING (e.g. a slow link): reported, not blocking.
 PARITY_GATE  = $(PARITY_CMD) || [ $$? -eq 1 ]
@@ -193,6 +193,21 @@ compare: $(VENV)/.stamp | $(STAMPS) $(STAMPS)/train.$(RUN) $(STAMPS)/control.$(R
 	$(PY) bin/compare.py --run $(RUN)$(if $(TOLERANCE), --tolerance $(TOLERANCE))$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))$(if $(TEST_BATCHES), --test-batches $(TEST_BATCHES))
 	touch $(STAMPS)/compare.$(RUN)
 
+## calibrate: sync + check-parity, then per-host tok/s and memory, the all_sum curve and the expected speedup -> runs/calibration-<time>.json
+# Phony: a measurement, not a build product. CALIBRATE_ARGS: more bin/calibrate.py flags,
+# e.g. CALIBRATE_ARGS='--budget-s 300 --max-bytes 67108864' or '--skip-compute'.
+CALIBRATE_ARGS ?=
+.PHONY: calibrate
+calibrate: datasets/$(DATASET)/manifest.json $(MODEL_DEP) $(VENV)/.stamp | $(STAMPS)
+	$(SYNC_CMD)
+	$(PARITY_GATE)
+	$(PY) bin/calibrate.py --hostfile $(HOSTFILE) --model $(MODEL) --config $(CONFIG) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(PORT), --port $(PORT))$(if $(CALIBRATE_ARGS), $(CALIBRATE_ARGS))
+
+## plan: the training plan JSON (coordinator format 2.0.0) from the hostfile, config, last check-parity and calibration -> runs/plan.json
+.PHONY: plan
+plan: $(VENV)/.stamp
+	$(PY) bin/plan.py --run $(RUN) --hostfile $(HOSTFILE) --config $(CONFIG) --model $(MODEL) --dataset $(DATASET) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))
+
 ## demo: the whole chain on hostfile.local.json with the sample corpus and the tiny model; prints the report's path
 # Two ranks on one machine cannot be faster than one: the demo accepts any speedup
 # (MIN_SPEEDUP=0) and the report still shows the measured one.
@@ -231,7 +246,7 @@ lint: $(VENV)/.stamp
 ## bench: run the benchmarks in bench/ (each prints a ratio against a same-run baseline)
 .PHONY: bench
 bench: $(VENV)/.stamp
-	@echo "bench: not implemented yet (issue #9)" >&2; exit 2
+	$(PY) bench/run_all.py
 
 ## clean: remove stamps and generated models (keeps .venv, datasets and runs)
 .PHONY: clean

@@ -156,7 +156,8 @@ def model_rel(model: str) -> str | None:
             raise RunbookError(f"MODEL {model} does not exist here", "sync-model")
         return None  # a hub id such as mlx-community/gemma-4-e2b-it-4bit
     try:
-        return full.resolve().relative_to(paths.ROOT).as_posix()
+        # Not resolved: models/x may be a link to another disk; it lands as models/x on the hosts.
+        return Path(os.path.normpath(full)).relative_to(paths.ROOT).as_posix()
     except ValueError:
         raise RunbookError(
             f"MODEL {model} is outside the repo, so it would land outside REMOTE_ROOT; "
