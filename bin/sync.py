@@ -52,7 +52,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PROBE_TIMEOUT = 60
 RSYNC_TIMEOUT = 3600
 
-# The probe. $1 = root; then groups "--hash f..." and "--exists f...". Prints `HOME <dir>`,
+# The probe. $1 = root; [--read-only]; then groups "--hash f..." and "--exists f...". Prints `HOME <dir>`,
 # then `<sha256>  <path>`, `MISSING  <path>` or `EXISTS  <path>` per file. It changes
 # nothing but its hash cache (REMOTE_ROOT/.thunder-sync-hashes: sha256 by size, mtime, ctime
 # and inode, like git's index; a write always changes ctime, and entries younger than 2 s
@@ -60,6 +60,7 @@ RSYNC_TIMEOUT = 3600
 # reaches it as a positional argument.
 PROBE_SH = r"""
 root=$1; shift
+ro=; if [ "${1-}" = --read-only ]; then ro=1; shift; fi
 printf 'HOME %s\n' "$HOME"
 if [ ! -d "$root" ]; then echo NOROOT; exit 0; fi
 cd "$root" || exit 3
@@ -67,7 +68,8 @@ if command -v sha256sum >/dev/null 2>&1; then h=sha256sum; else h="shasum -a 256
 if stat -c %s . >/dev/null 2>&1; then fmt="-c %s:%Y:%Z:%i"; else fmt="-f %z:%m:%c:%i"; fi
 cache=.thunder-sync-hashes
 now=$(date +%s)
-new=$(mktemp "$root/.thunder-sync-hashes.XXXXXX" 2>/dev/null) || new=/dev/null
+new=/dev/null
+[ -n "$ro" ] || new=$(mktemp "$root/.thunder-sync-hashes.XXXXXX" 2>/dev/null) || new=/dev/null
 mode=hash
 for f in "$@"; do
   case "$f" in
@@ -211,8 +213,10 @@ class ModelHashes:
             return self._hashes
 
 
-def probe(host: str, local: bool, root: str, hash_files: list[str], exist_files: list[str]) -> dict:
-    argv = ["sh", "-c", PROBE_SH, "sh", root, "--hash", *hash_files, "--exists", *exist_files]
+def probe(host: str, local: bool, root: str, hash_files: list[str], exist_files: list[str],
+          read_only: bool = False) -> dict:
+    argv = ["sh", "-c", PROBE_SH, "sh", root, *(["--read-only"] if read_only else []),
+            "--hash", *hash_files, "--exists", *exist_files]
     r = run_on(host, argv, timeout=PROBE_TIMEOUT, local=local)
     if not r.ok:
         raise RunbookError(f"{host}: probe failed (exit {r.returncode}): {r.stderr.strip()[:400]}", "sync-ssh")
@@ -266,7 +270,7 @@ def sync_host(host: str, args, plan: dict) -> dict:
 
     dest = root if local else f"{host}:{root}"
     hash_files = sorted(plan["code"]) + sorted(plan["expected"])
-    before = probe(host, local, root, hash_files, plan["model_files"])
+    before = probe(host, local, root, hash_files, plan["model_files"], read_only=args.dry_run)
     if before["home"] and os.path.normpath(before["home"]) == root:
         raise RunbookError(f"{host}: REMOTE_ROOT {root} is that host's home directory itself", "sync-refused")
 

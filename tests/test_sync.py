@@ -103,9 +103,11 @@ def test_incremental_repair_and_dry_run(dataset, tmp_path):
     target.write_bytes(bytes(data))
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
     # Dry run: says what it would do, changes nothing.
+    listing = {f: f.stat().st_mtime_ns for f in dst.rglob("*")}
     p = sync("--dry-run", remote_root=dst, dataset=dataset, check=True)
     assert "would dataset" in p.stdout and "train.jsonl" in p.stdout
     assert target.read_bytes() == bytes(data)
+    assert {f: f.stat().st_mtime_ns for f in dst.rglob("*")} == listing, "the dry run changed the destination"
     p = sync(remote_root=dst, dataset=dataset, check=True)
     assert re.search(r"status verified actions (code\+)?dataset", p.stdout)
     assert sha256_file(target) == sha256_file(ROOT / "datasets" / dataset / "train.jsonl")
