@@ -1,0 +1,191 @@
+"""plan: the coordinator-format training plan from real inputs (a local check-parity, sync and
+calibration), validated against bin/plan.py's SCHEMA; unknowns said explicitly; foreign or stale
+inputs not used; the schema itself refuses what it must."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import shutil
+
+import pytest
+from conftest import PY, ROOT, make, run
+
+spec = importlib.util.spec_from_file_location("plan", ROOT / "bin" / "plan.py")
+plan_mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plan_mod)
+
+MODEL = "models/tiny-gemma4"
+DATASET = "domain_sft_v1_high_signal_thunder"
+CONFIG = "configs/smoke.yaml"
+LOCAL = "hostfile.local.json"
+VENV_PY = str(ROOT / ".venv" / "bin" / "python")
+RUN = f"plantest-{os.getpid()}"
+PLACEHOLDERS = ("todo", "tbd", "placeholder", "n/a", "xxx", "...", "samples/sec", "gs://")
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory):
+    """A runs folder with a real check-parity result, sync.json and calibration for the two local ranks."""
+    if not (ROOT / MODEL / "config.json").is_file():
+        make("tiny-model", "ARCH=gemma4")
+    if not (ROOT / "datasets" / DATASET / "manifest.json").is_file():
+        make("export")
+    r = tmp_path_factory.mktemp("runs")
+    p = run([PY, "bin/check_parity.py", "--hostfile", LOCAL, "--python", VENV_PY, "--remote-root", str(ROOT),
+             "--model", MODEL, "--dataset", DATASET, "--state-dir", str(r / "parity"), "--min-disk-gb", "0.1"],
+            check=False)
+    assert p.returncode in (0, 1), p.stdout + p.stderr
+    run([PY, "bin/sync.py", "--hostfile", LOCAL, "--remote-root", str(ROOT), "--dataset", DATASET, "--model", MODEL,
+         "--run", RUN])
+    shutil.move(str(ROOT / "runs" / RUN), str(r / RUN))
+    run([PY, "bin/calibrate.py", "--hostfile", LOCAL, "--model", MODEL, "--config", CONFIG, "--remote-root", str(ROOT),
+         "--python", VENV_PY, "--budget-s", "6", "--max-batch", "2", "--steps", "1", "--max-bytes", "262144",
+         "--tcp-bytes", "1048576", "--tcp-reps", "2", "--grad-reps", "2", "--out-dir", str(r)], timeout=300)
+    return r
+
+
+def plan(runs, *extra, hostfile=LOCAL, config=CONFIG, check=True):
+    p = run([PY, "bin/plan.py", "--hostfile", hostfile, "--config", config, "--model", MODEL, "--dataset", DATASET,
+             "--remote-root", str(ROOT), "--python", VENV_PY, "--run", RUN, "--runs-dir", str(runs), *extra],
+            check=check)
+    doc = json.loads((runs / "plan.json").read_text()) if (runs / "plan.json").is_file() else None
+    return p, doc
+
+
+def leaves(obj, path=""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from leaves(v, f"{path}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from leaves(v, f"{path}[{i}]")
+    else:
+        yield path, obj
+
+
+def test_plan_from_measured_inputs(runs_dir):
+    p, doc = plan(runs_dir, "--min-speedup", "0", "--strict")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert plan_mod.validate(doc, plan_mod.SCHEMA) == []
+    stamped = sorted(runs_dir.glob("plan-*.json"))
+    assert stamped and json.loads(stamped[-1].read_text()) == doc
+    assert doc["version"] == "2.0.0" and all(s in doc for s in plan_mod.SECTIONS)
+    cal = json.loads(sorted(runs_dir.glob("calibration-*.json"))[-1].read_text())
+    st, bc, pt = doc["strategy"], doc["batch_configuration"], doc["performance_targets"]
+    assert (st["total_gpus"], st["nodes"], st["gpus_per_node"]) == (2, 1, 2)
+    assert st["trainable_params"] == cal["trainable_params"] and st["device"] == "Device(cpu, 0)"
+    assert (bc["per_gpu_batch_size"], bc["total_batch_size"], bc["gradient_accumulation_steps"]) == (3, 6, 1)
+    assert bc["recommended"]["per_gpu_batch_size"] == cal["recommendation"]["per_rank_batch"]
+    assert bc["fits_memory"] is True
+    assert pt["expected_speedup"] == cal["expected_speedup"] and pt["min_speedup"] == 0
+    assert pt["throughput"]["tok_per_s"] > 0
+    hc = doc["hardware_calibration"]
+    assert hc["calibration_file"].endswith(sorted(runs_dir.glob("calibration-*.json"))[-1].name)
+    assert set(hc["measured_performance"]) == {"127.0.0.1"} and hc["workload_distribution"] == {"127.0.0.1": 1.0}
+    assert doc["distributed_config"]["mlx_launch_command"].startswith(str(ROOT / ".venv" / "bin" / "mlx.launch"))
+    assert doc["distributed_config"]["unified_memory"] is False  # Linux x86_64: measured, not assumed
+    assert doc["rdma_config"]["enabled"] is False
+    assert doc["pre_rdma_sync"]["sync_status"] == "success"
+    assert doc["worker_consistency"]["is_consistent"] is True and doc["worker_consistency"]["divergent_workers"] == []
+    assert doc["coordinator_chunking"]["dataset_size"] == json.loads(
+        (ROOT / "datasets" / DATASET / "manifest.json").read_text())["counts"]["train"]
+    checks = {c["name"]: c for c in doc["pre_flight_checklist"]["checks"]}
+    assert set(checks) == set(plan_mod.LAYERS)
+    assert all(c["status"] == "pass" for c in checks.values()), checks
+    assert doc["pre_flight_checklist"]["overall_status"] == "pass"
+    # measured values, never placeholders; what is not known says why
+    for path, v in leaves({k: doc[k] for k in plan_mod.SECTIONS}):
+        if isinstance(v, str):
+            assert not any(w in v.lower() for w in PLACEHOLDERS), (path, v)
+    assert {u["field"] for u in doc["unknowns"]} >= {"performance_targets.gpu_utilization", "rdma_config.verified"}
+    assert "plan-check name worker_layer status pass" in p.stdout and "overall_status pass" in p.stdout
+
+
+def test_plan_with_nothing_measured_says_so_and_strict_fails(tmp_path):
+    p, doc = plan(tmp_path, check=False)
+    assert p.returncode == 0, p.stderr
+    assert plan_mod.validate(doc, plan_mod.SCHEMA) == []
+    unknown = {u["field"]: u["reason"] for u in doc["unknowns"]}
+    assert "no calibration yet: run `make calibrate" in unknown["performance_targets.expected_speedup"]
+    assert "no check-parity result" in unknown["worker_consistency.is_consistent"]
+    assert doc["batch_configuration"]["recommended"] == {"value": None, "unknown": unknown[
+        "batch_configuration.recommended"]}
+    assert doc["pre_flight_checklist"]["overall_status"] == "unknown"
+    assert doc["batch_configuration"]["per_gpu_batch_size"] == 3  # from the config: known without measuring
+    p, _ = plan(tmp_path, "--strict", check=False)
+    assert p.returncode == 1 and "pre-flight unknown" in p.stderr and "see RUNBOOK.md#plan" in p.stderr
+
+
+def test_a_calibration_of_other_hosts_or_settings_is_not_used(runs_dir):
+    _, doc = plan(runs_dir, hostfile="hostfile.json")  # Mac4 + Mac5: nothing here was measured for them
+    assert plan_mod.validate(doc, plan_mod.SCHEMA) == []
+    why = doc["performance_targets"]["expected_speedup"]["unknown"]
+    assert "was measured for hosts ['127.0.0.1', '127.0.0.1']" in why and "make calibrate HOSTFILE=hostfile.json" in why
+    assert "checked ['127.0.0.1'], not ['mac4', 'mac5']" in doc["worker_consistency"]["is_consistent"]["unknown"]
+    _, doc = plan(runs_dir, config="configs/demo.yaml")
+    why = doc["hardware_calibration"]["calibration_file"]["unknown"]
+    assert "max_seq_length 256, not 192" in why
+
+
+def test_stale_or_failing_parity(runs_dir, tmp_path):
+    _, doc = plan(runs_dir, "--max-parity-age-s", "0")
+    checks = {c["name"]: c for c in doc["pre_flight_checklist"]["checks"]}
+    assert checks["health_check"]["status"] == "unknown" and "min old" in checks["health_check"]["detail"]
+    # the same result with one host's code differing: the worker layer fails and names it
+    shutil.copytree(runs_dir, tmp_path / "r", dirs_exist_ok=True)
+    last = tmp_path / "r" / "parity" / "last.json"
+    res = json.loads(last.read_text())
+    for c in res["checks"]:
+        if c["name"] == "code":
+            c.update(status="fail", detail="differs: lib/hostfile.py", fix="make sync")
+    res["status"], res["code"] = "CRITICAL", 2
+    last.write_text(json.dumps(res))
+    _, doc = plan(tmp_path / "r")
+    checks = {c["name"]: c for c in doc["pre_flight_checklist"]["checks"]}
+    assert checks["worker_consistency"]["status"] == "fail" and "differs: lib/hostfile.py" in checks[
+        "worker_consistency"]["detail"]
+    assert checks["health_check"]["status"] == "fail"
+    assert doc["worker_consistency"]["divergent_workers"] == ["127.0.0.1"]
+    assert doc["worker_consistency"]["is_consistent"] is False
+    assert doc["pre_flight_checklist"]["overall_status"] == "fail"
+
+
+def test_schema_refuses_what_it_must(runs_dir):
+    _, good = plan(runs_dir)
+    assert plan_mod.validate(good, plan_mod.SCHEMA) == []
+
+    def errs(mutate):
+        d = copy.deepcopy(good)
+        mutate(d)
+        return plan_mod.validate(d, plan_mod.SCHEMA)
+
+    assert any("missing key 'rdma_config'" in e for e in errs(lambda d: d.pop("rdma_config")))
+    assert errs(lambda d: d.update(version="1.0.0"))
+    assert errs(lambda d: d["performance_targets"].update(expected_speedup="2-3x over TCP ring"))  # a placeholder
+    assert errs(lambda d: d["performance_targets"].update(expected_speedup={"value": None}))  # unknown without why
+    assert errs(lambda d: d["performance_targets"].update(expected_speedup={"value": 1.5, "unknown": "x"}))
+    assert errs(lambda d: d["strategy"].update(total_gpus=0))
+    assert errs(lambda d: d["strategy"].update(total_gpus=True))  # a bool is not an integer
+    assert any("unexpected key 'gpu_count'" in e for e in errs(lambda d: d["strategy"].update(gpu_count=2)))
+    assert errs(lambda d: d["pre_flight_checklist"].update(overall_status="maybe"))
+    assert errs(lambda d: d["pre_flight_checklist"]["checks"].pop())
+    assert errs(lambda d: d["worker_consistency"]["byzantine_detection"].update(enabled=True))
+    assert errs(lambda d: d["batch_configuration"].update(learning_rate=float("nan")))
+
+
+def test_make_plan(runs_dir):
+    p = make("-n", "plan", f"RUN={RUN}", f"HOSTFILE={LOCAL}", f"CONFIG={CONFIG}", "MIN_SPEEDUP=0")
+    assert f"bin/plan.py --run {RUN} --hostfile {LOCAL} --config {CONFIG}" in p.stdout and "--min-speedup 0" in p.stdout
+    before = set((ROOT / "runs").glob("plan-*.json"))
+    p = make("plan", f"RUN={RUN}", f"HOSTFILE={LOCAL}", f"CONFIG={CONFIG}", f"REMOTE_ROOT={ROOT}", f"PYTHON={VENV_PY}")
+    new = set((ROOT / "runs").glob("plan-*.json")) - before
+    try:
+        assert len(new) == 1 and "plan file runs/plan-" in p.stdout
+        doc = json.loads((ROOT / "runs" / "plan.json").read_text())
+        assert plan_mod.validate(doc, plan_mod.SCHEMA) == [] and doc == json.loads(next(iter(new)).read_text())
+    finally:
+        for f in new:
+            f.unlink()
