@@ -157,6 +157,9 @@ class Stepper:
         self.optimizer.init(model.trainable_parameters())
         mx.eval(model.parameters(), self.optimizer.state)
         self.load_s = time.perf_counter() - t0
+        from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+        maybe_set_recommended_wired_limit()  # as the trainer does (Metal: wire the model's memory)
         if cfg.get("grad_checkpoint"):
             grad_checkpoint(model.layers[0])
         self.model = model
@@ -324,8 +327,24 @@ def compute_sweep(stepper: Stepper, spec: dict, emit) -> dict:
             "mem_fraction": spec["mem_fraction"], "sweep_s": round(time.monotonic() - t_start, 3)}
 
 
+def self_sha256() -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
 def print_result(obj: dict) -> None:
+    """The one result line; it carries this file's sha256, so the orchestrator knows the host
+    ran the same bin/calibrate.py (synced code) and not an older copy."""
+    obj["calibrate_sha256"] = self_sha256()
     print(RESULT_PREFIX + json.dumps(obj, sort_keys=True, allow_nan=False), flush=True)
+
+
+def check_same_code(host: str, result: dict) -> None:
+    if result.get("calibrate_sha256") != self_sha256():
+        raise RunbookError(f"{host} runs another bin/calibrate.py than this one (sha256 "
+                           f"{str(result.get('calibrate_sha256'))[:12]}, here {self_sha256()[:12]}): run `make sync` "
+                           "(make calibrate does it first)", ANCHOR)
 
 
 def compute_probe(spec: dict) -> int:
@@ -428,6 +447,7 @@ def rank_probe(spec: dict) -> int:
         del x, y
         mx.clear_cache()
     out["allsum"] = rows
+    out["calibrate_sha256"] = self_sha256()
     facts["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
     path = Path(spec["result_dir"]) / f"rank-{rank}.json"
     atomic.write_json(path, out)
@@ -444,16 +464,32 @@ def reps_for(nbytes: int) -> int:
 
 # ---- host side: the bare TCP baseline --------------------------------------------------------
 TCP_CHUNK = 4 * MiB
-HEADER = 9  # 1 byte mode (u: one direction, b: both) + 8 bytes length
+HEADER = 9  # 1 byte mode + 8 bytes length
+# u: one direction into a reused 4 MiB buffer (the wire's ceiling); b: both directions at once
+# (what a 2-rank ring all_sum moves); f: both directions, each side receiving into fresh memory
+# of the whole size (a collective's output is a new array: its pages are faulted in as it lands).
+TCP_MODES = {"u": "one_direction", "b": "both_directions", "f": "both_directions_fresh"}
 
 
-def _recv_exact(conn: socket.socket, n: int, buf: bytearray) -> int:
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = conn.recv_into(view[: min(len(buf), n - got)])
-        if not k:
-            raise ConnectionError(f"peer closed after {got} of {n} bytes")
-        got += k
+def _recv_exact(conn: socket.socket, n: int, buf: bytearray | None = None) -> int:
+    """Receive n bytes into a reused chunk, or (buf None) into a fresh anonymous mapping of n bytes."""
+    import mmap
+
+    dest = mmap.mmap(-1, max(n, 1)) if buf is None else None
+    view, got = memoryview(dest if dest is not None else buf), 0
+    try:
+        while got < n:
+            if dest is not None:
+                k = conn.recv_into(view[got: got + min(TCP_CHUNK, n - got)])
+            else:
+                k = conn.recv_into(view[: min(len(buf), n - got)])
+            if not k:
+                raise ConnectionError(f"peer closed after {got} of {n} bytes")
+            got += k
+    finally:
+        view.release()
+        if dest is not None:
+            dest.close()
     return got
 
 
@@ -463,6 +499,26 @@ def _send_n(conn: socket.socket, n: int, buf: bytearray) -> None:
         k = min(len(buf), n - sent)
         conn.sendall(view[:k])
         sent += k
+
+
+def _exchange(conn: socket.socket, mode: str, n: int, buf: bytearray) -> None:
+    """Move n bytes for one rep: receive only (u) or send and receive at once (b, f)."""
+    errors: list[BaseException] = []
+
+    def send():
+        try:
+            _send_n(conn, n, bytearray(TCP_CHUNK))
+        except BaseException as e:  # noqa: BLE001  (re-raised below, in the caller's thread)
+            errors.append(e)
+
+    sender = threading.Thread(target=send, daemon=True) if mode in ("b", "f") else None
+    if sender:
+        sender.start()
+    _recv_exact(conn, n, None if mode == "f" else buf)
+    if sender:
+        sender.join()
+    if errors:
+        raise errors[0]
 
 
 def tcp_recv(spec: dict) -> int:
@@ -481,20 +537,17 @@ def tcp_recv(spec: dict) -> int:
             head = bytearray(HEADER)
             _recv_exact(conn, HEADER, head)
             mode, n = chr(head[0]), int.from_bytes(head[1:], "big")
-            sender = None
-            if mode == "b":
-                sender = threading.Thread(target=_send_n, args=(conn, n, bytearray(TCP_CHUNK)), daemon=True)
-                sender.start()
-            _recv_exact(conn, n, buf)
-            if sender:
-                sender.join()
+            if mode not in TCP_MODES:
+                raise ValueError(f"unknown TCP mode {mode!r}")
+            _exchange(conn, mode, n, buf)
             conn.sendall(b"k")
     srv.close()
     return 0
 
 
 def tcp_send(spec: dict) -> int:
-    """Connect to the receiver, time each rep from the first byte to the receiver's ack."""
+    """Connect to the receiver, time each rep from the first byte to the receiver's ack (which
+    it sends when it has received everything, and, both ways, sent everything)."""
     buf = bytearray(TCP_CHUNK)
     n = int(spec["bytes"])
     rows = []
@@ -503,16 +556,26 @@ def tcp_send(spec: dict) -> int:
         with conn:
             t0 = time.perf_counter()
             conn.sendall(mode.encode() + n.to_bytes(8, "big"))
-            back = None
-            if mode == "b":
-                back = threading.Thread(target=_recv_exact, args=(conn, n, bytearray(TCP_CHUNK)), daemon=True)
-                back.start()
-            _send_n(conn, n, buf)
-            if back:
-                back.join()
+            if mode == "u":
+                _send_n(conn, n, buf)
+            else:  # the peer sends while we send: receive its bytes the same way it receives ours
+                errors: list[BaseException] = []
+
+                def back(conn=conn, mode=mode, errors=errors):
+                    try:
+                        _recv_exact(conn, n, None if mode == "f" else bytearray(TCP_CHUNK))
+                    except BaseException as e:  # noqa: BLE001
+                        errors.append(e)
+
+                th = threading.Thread(target=back, daemon=True)
+                th.start()
+                _send_n(conn, n, buf)
+                th.join()
+                if errors:
+                    raise errors[0]
             if conn.recv(1) != b"k":
                 raise ConnectionError("the receiver did not acknowledge")
-            rows.append({"mode": "one_direction" if mode == "u" else "both_directions", "seconds": time.perf_counter() - t0})
+            rows.append({"mode": TCP_MODES[mode], "seconds": time.perf_counter() - t0})
     print_result({"bytes": n, "reps": rows, "facts": machine_facts()})
     return 0
 
@@ -913,6 +976,7 @@ def phase_compute(args, hf, cfg: dict, probe_id: str, must: list[int]) -> list[d
             raise RunbookError(f"{host}: the compute probe failed ({why}):\n{s.tail()}\nrun `make sync` and "
                                f"`make check-parity HOSTFILE={args.hostfile}` first", ANCHOR)
         res = s.result
+        check_same_code(host, res)
         res.update(ssh=host, ranks=ranks, ips=next(h.ips for h in hf.hosts if h.ssh == host))
         hosts.append(res)
     return hosts
@@ -957,6 +1021,8 @@ def phase_link(args, hf, cfg: dict, probe_id: str, concurrent_batch: int | None)
                            f"check `make check-parity HOSTFILE={args.hostfile}` (ssh, interpreter, code on every "
                            "host) and the ring ports", "runtime-parity" if missing else ANCHOR,
                            "runtime parity" if missing else None)
+    for r, res in ranks.items():
+        check_same_code(f"rank {r} ({hf.hosts[r].ssh})", res)
     return combine_ranks(hf, ranks, args.remote_root)
 
 
@@ -999,7 +1065,7 @@ def phase_tcp(args, hf, probe_id: str) -> dict:
     if not h1.ips:
         return {"unknown": f"rank 1 ({h1.ssh}) has no IP in the hostfile to send to"}
     n = args.tcp_bytes or args.max_bytes
-    modes = ["u"] * args.tcp_reps + ["b"] * args.tcp_reps
+    modes = [m for m in TCP_MODES for _ in range(args.tcp_reps)]
     event("calibrate-phase", phase="tcp", sender=h0.ssh, receiver=f"{h1.ssh}/{h1.ips[0]}", bytes=n,
           reps=len(modes))
     recv = Streamed(host_argv(h1.ssh, args.remote_root, args.python,
@@ -1020,17 +1086,19 @@ def phase_tcp(args, hf, probe_id: str) -> dict:
         recv.kill()
         raise RunbookError(f"the TCP baseline {h0.ssh} -> {h1.ips[0]} failed (exit {rc}"
                            f"{', timed out' if timed_out else ''}):\n{send.tail()}\n{recv.tail()}", ANCHOR)
+    check_same_code(h0.ssh, send.result)
     reps = send.result["reps"]
-    one = [r["seconds"] for r in reps if r["mode"] == "one_direction"]
-    both = [r["seconds"] for r in reps if r["mode"] == "both_directions"]
     out = {"sender": h0.ssh, "receiver": h1.ssh, "ip": h1.ips[0], "bytes": n, "reps": reps,
-           "one_direction_gbps_best": n / min(one) / 1e9, "one_direction_gbps_median": n / statistics.median(one) / 1e9,
-           "both_directions_gbps_best": n / min(both) / 1e9,
-           "both_directions_gbps_median": n / statistics.median(both) / 1e9,
-           "note": "both_directions: the same bytes each way at once, per direction (a 2-rank ring all_sum "
-                   "sends and receives its whole message)"}
-    for key in ("one_direction_gbps_best", "both_directions_gbps_best"):
-        event("calibrate-tcp", mode=key.replace("_gbps_best", ""), bytes=n, best_gbps=round(out[key], 4))
+           "note": "GB/s per direction. one_direction: into a reused 4 MiB buffer (the wire's ceiling); "
+                   "both_directions: the same bytes each way at once (what a 2-rank ring all_sum moves); "
+                   "both_directions_fresh: as both, each side receiving into fresh memory of the whole size "
+                   "(a collective's output is a new array whose pages fault in as the bytes land)"}
+    for name in TCP_MODES.values():
+        secs = [r["seconds"] for r in reps if r["mode"] == name]
+        out[f"{name}_gbps_best"] = n / min(secs) / 1e9
+        out[f"{name}_gbps_median"] = n / statistics.median(secs) / 1e9
+        event("calibrate-tcp", mode=name, bytes=n, best_gbps=round(out[f"{name}_gbps_best"], 4),
+              median_gbps=round(out[f"{name}_gbps_median"], 4))
     return out
 
 
@@ -1145,8 +1213,10 @@ def orchestrate(args) -> int:
         link["allreduce_vs_tcp"] = {
             "allsum_busbw_best_gbps": best, "tcp_one_direction_gbps": tcp["one_direction_gbps_best"],
             "tcp_both_directions_gbps": tcp["both_directions_gbps_best"],
+            "tcp_both_directions_fresh_gbps": tcp["both_directions_fresh_gbps_best"],
             "tcp_over_allsum": tcp["one_direction_gbps_best"] / best if best else None,
             "tcp_both_over_allsum": tcp["both_directions_gbps_best"] / best if best else None,
+            "tcp_fresh_over_allsum": tcp["both_directions_fresh_gbps_best"] / best if best else None,
             "bytes_allsum": link["bandwidth_gbps"]["bytes"], "bytes_tcp": tcp["bytes"]}
     if link and hosts and hosts[0].get("trainable_arrays"):
         buckets = grad_buckets(hosts[0]["trainable_arrays"])
@@ -1235,10 +1305,11 @@ def print_table(doc: dict) -> None:
         t = link.get("tcp") or {}
         if "one_direction_gbps_best" in t:
             v = link["allreduce_vs_tcp"]
-            print(f"  bare TCP {t['sender']} -> {t['receiver']} ({t['ip']}), {human_bytes(t['bytes'])}: one direction "
-                  f"{t['one_direction_gbps_best']:.3f} GB/s, both at once {t['both_directions_gbps_best']:.3f} GB/s each; "
-                  f"all_sum best busbw {v['allsum_busbw_best_gbps']:.3f} GB/s = 1/{fmt_num(v['tcp_over_allsum'], '.2f')} "
-                  f"of one direction, 1/{fmt_num(v['tcp_both_over_allsum'], '.2f')} of both")
+            print(f"  bare TCP {t['sender']} -> {t['receiver']} ({t['ip']}), {human_bytes(t['bytes'])}, best per "
+                  f"direction: one direction {t['one_direction_gbps_best']:.3f} GB/s, both at once "
+                  f"{t['both_directions_gbps_best']:.3f}, both into fresh memory {t['both_directions_fresh_gbps_best']:.3f}; "
+                  f"all_sum best busbw {v['allsum_busbw_best_gbps']:.3f} GB/s = 1/{fmt_num(v['tcp_over_allsum'], '.2f')}, "
+                  f"1/{fmt_num(v['tcp_both_over_allsum'], '.2f')}, 1/{fmt_num(v['tcp_fresh_over_allsum'], '.2f')} of them")
         if "grad_allreduce_modeled" in link:
             g = link["grad_allreduce_modeled"]
             meas = link.get("grad_allreduce_measured", {})

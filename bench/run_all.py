@@ -1,0 +1,391 @@
+#!/usr/bin/env python3
+"""run_all: every benchmark, at sizes that finish in under 10 minutes on a 2-core machine,
+collected into bench/results.json and summarized in bench/README.md.
+
+Usage:
+    python bench/run_all.py [--only NAME,...] [--skip NAME,...] [--deadline-s 570]
+                            [--json bench/results.json] [--readme bench/README.md] [--no-readme]
+
+Example (what `make bench` runs):
+    .venv/bin/python bench/run_all.py
+    .venv/bin/python bench/run_all.py --only scaling,smoke
+
+Benchmarks, in order (NAME: what runs):
+    export        bench/bench_export.py --records 200000
+    check_parity  bench/bench_check_parity.py --runs 3          (its own 3-host fabric)
+    sync          bench/bench_sync.py --mb 200                   (its own 2-host fabric)
+    trainer       bench/bench_trainer.py --config configs/demo.yaml --iters 20 --runs 1
+                  (bin/train.py vs raw `mlx_lm lora`, and the checkpoint overhead)
+    smoke         `make smoke` on 2 fabric hosts: wall clock against its two trainer launches
+    scaling       bin/train.py on 1, 2, 3 fabric hosts with a fixed per-rank batch (2 at the demo
+                  config's 192 tokens): steady-state tok/s of the group, each against 1 rank
+    link          bin/calibrate.py --skip-compute on 2 fabric hosts: all_sum bus bandwidth at
+                  256 MiB against a bare TCP transfer between the same hosts
+The last three share one 3-host fabric this script brings up (runs/fabric-bench-all-<pid>) and
+takes down. Each benchmark prints `name: value (ratio vs baseline)` lines; they are collected
+with the command, exit status, wall time and the load average before and after. A benchmark
+that would not finish before --deadline-s (default 570 s from the start) is skipped and says
+so. Writes bench/results.json (git-ignored) and rewrites the summary between the markers in
+bench/README.md with the command and the machine (uname, cores, memory, Python, mlx). Exit 0
+when every benchmark ran and met its target, 1 when one missed a target, 2 when one failed or
+was skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from lib import atomic, launch  # noqa: E402
+from lib.hostfile import load as load_hostfile  # noqa: E402
+
+PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
+MODEL = "models/tiny-gemma4"
+DATASET = "domain_sft_v1_high_signal_thunder"
+LINE = re.compile(r"^([a-z][a-z0-9_]*): (-?[0-9][0-9.e+-]*)(?: \((.*)\))?\s*$")
+BEGIN, END = "<!-- bench-summary:begin -->", "<!-- bench-summary:end -->"
+PER_RANK_BATCH = 2
+SCALE_STEPS = 12
+
+EXTERNAL = [
+    ("export", ["bench/bench_export.py", "--records", "200000"], 150),
+    ("check_parity", ["bench/bench_check_parity.py", "--runs", "3"], 150),
+    ("sync", ["bench/bench_sync.py", "--mb", "200"], 150),
+    ("trainer", ["bench/bench_trainer.py", "--config", "configs/demo.yaml", "--iters", "20", "--runs", "1"], 240),
+]
+FABRIC = [("smoke", 240), ("scaling", 240), ("link", 150)]
+NAMES = [n for n, *_ in EXTERNAL] + [n for n, _ in FABRIC]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(NAMES)}")
+    p.add_argument("--skip", default="", help="comma-separated benchmarks to leave out")
+    p.add_argument("--deadline-s", type=float, default=570.0, help="skip what would end after this (default 570)")
+    p.add_argument("--json", default=str(ROOT / "bench" / "results.json"))
+    p.add_argument("--readme", default=str(ROOT / "bench" / "README.md"))
+    p.add_argument("--no-readme", action="store_true", help="do not rewrite the README summary")
+    return p
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine() -> dict:
+    u = platform.uname()
+    mem = None
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    vers = subprocess.run([PY, "-c", "import mlx.core as mx, mlx_lm, platform; "
+                           "print(mx.__version__, mlx_lm.__version__, platform.python_version())"],
+                          capture_output=True, text=True).stdout.split()
+    return {"uname": f"{u.system} {u.release} {u.machine}", "node": u.node, "cpus": os.cpu_count(),
+            "memory_gib": round(mem / 2**30, 1) if mem else None,
+            "python": vers[2] if len(vers) == 3 else platform.python_version(),
+            "mlx": vers[0] if vers else None, "mlx_lm": vers[1] if len(vers) > 1 else None}
+
+
+def parse_metrics(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        m = LINE.match(line.strip())
+        if m:
+            out.append({"name": m.group(1), "value": float(m.group(2)), "detail": m.group(3) or ""})
+    return out
+
+
+def emit(name: str, value: float, detail: str) -> str:
+    line = f"{name}: {value:.4g} ({detail})"
+    print(line, flush=True)
+    return line
+
+
+def run_external(name: str, argv: list[str], timeout: float) -> dict:
+    cmd = [PY, *argv]
+    t0 = time.monotonic()
+    ld = load()
+    print(f"\n=== {name}: {shlex.join(['python', *argv])} (load {ld})", flush=True)
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        code, out, err = p.returncode, p.stdout, p.stderr
+        status = {0: "ok", 1: "target missed"}.get(code, "error")
+    except subprocess.TimeoutExpired as e:
+        code, status = None, "timeout"
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = f"timed out after {timeout:g} s"
+    sys.stdout.write(out)
+    if status not in ("ok", "target missed"):
+        sys.stdout.write(err[-3000:])
+    return {"name": name, "command": shlex.join(["python", *argv]), "exit_code": code, "status": status,
+            "wall_s": round(time.monotonic() - t0, 2), "load_start": ld, "load_end": load(),
+            "metrics": parse_metrics(out), "error": "" if status in ("ok", "target missed") else err.strip()[-600:]}
+
+
+# ---- the fabric benchmarks --------------------------------------------------------------------
+class FabricBench:
+    """One 3-host fabric for smoke, scaling and link; down at the end, whatever happened."""
+
+    def __init__(self):
+        import fabric as fabric_mod
+
+        self.mod = fabric_mod
+        pid = os.getpid()
+        self.dir = ROOT / "runs" / f"fabric-bench-all-{pid}"
+        self.spec = fabric_mod.make_spec(dir=self.dir, prefix=f"ba{pid % 10**6}", subnet="auto")
+        self.fab = None
+        self.made: list[Path] = []
+
+    def up(self) -> None:
+        self.mod.up(self.spec, 3)
+        self.fab = self.mod.Fabric(self.dir)
+        self.env = self.fab.env()
+        hf = self.fab.hostfile(3)
+        p = subprocess.run([PY, "bin/sync.py", "--hostfile", str(hf), "--remote-root", self.fab.remote_root,
+                            "--dataset", DATASET, "--model", MODEL], cwd=ROOT, env=self.env, capture_output=True,
+                           text=True, timeout=300)
+        if p.returncode:
+            raise RuntimeError(f"sync to the bench fabric failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+
+    def down(self) -> None:
+        for d in self.made:
+            shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
+        try:
+            self.mod.down(self.spec)
+        except Exception as e:  # report, never hide the benchmark results behind a teardown error
+            print(f"warning: fabric down: {e}", file=sys.stderr)
+
+    def smoke(self) -> list[str]:
+        run = f"bench-smoke-{os.getpid()}"
+        hf = self.fab.hostfile(2)
+        ok_dir = ROOT / ".stamps" / "smoke-ok"
+        before = set(ok_dir.glob("*.json")) if ok_dir.is_dir() else set()
+        self.made += [ROOT / "runs" / run, ROOT / ".stamps" / f"smoke.{run}"]
+        argv = ["make", "--no-print-directory", "smoke", f"RUN={run}", f"HOSTFILE={hf}",
+                f"REMOTE_ROOT={self.fab.remote_root}", f"PYTHON={self.fab.python}", f"MODEL={MODEL}",
+                f"DATASET={DATASET}"]
+        t0 = time.monotonic()
+        p = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=600)
+        wall = time.monotonic() - t0
+        self.made += sorted(set(ok_dir.glob("*.json")) - before) if ok_dir.is_dir() else []
+        if p.returncode:
+            raise RuntimeError(f"make smoke failed:\n{p.stdout[-2500:]}\n{p.stderr[-1500:]}")
+        summary = json.loads((ROOT / "runs" / run / "smoke.json").read_text())
+        launches = sum(x["wall_s"] for x in summary["launches"])
+        return [emit("smoke_wall_s", wall, f"ratio {wall / launches:.2f} vs its two trainer launches {launches:.1f} s; "
+                     "the rest is sync, check-parity, manifest, sweep, fetch and the criteria; 2 fabric hosts")]
+
+    def train(self, n: int) -> dict:
+        """bin/train.py on n hosts, per-rank batch fixed, no validation, one checkpoint at the end."""
+        run = f"bench-scale{n}-{os.getpid()}"
+        run_rel = f"runs/{run}"
+        self.made.append(ROOT / run_rel)
+        hfp = self.fab.hostfile(n)
+        hf = load_hostfile(hfp)
+        targs = ["--config", "configs/demo.yaml", "--model", MODEL, "--data", f"datasets/{DATASET}",
+                 "--run-dir", run_rel, "--batch-size", str(PER_RANK_BATCH * n), "--iters", str(SCALE_STEPS),
+                 "--save-every", str(SCALE_STEPS), "--steps-per-report", str(SCALE_STEPS), "--val-batches", "0",
+                 "--test-batches", "1", "--expect-world-size", str(n)]
+        argv = launch.launch_argv(str(hfp), hf, self.fab.python, self.fab.remote_root, targs)
+        old = os.environ.copy()
+        os.environ.update(self.env)
+        try:
+            res = launch.run_watched(argv, ROOT / run_rel / "logs" / "bench.log", 300)
+            launch.sweep(hf, run_rel)
+            launch.fetch(hf, run_rel, self.fab.remote_root)
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+        steps = [m for m in launch.metrics(ROOT / run_rel) if m.get("kind") == "step"]
+        if res.returncode or len(steps) < SCALE_STEPS:
+            raise RuntimeError(f"training on {n} host(s) failed (exit {res.returncode}, {len(steps)} steps); "
+                               f"see {run_rel}/logs/bench.log")
+        steady = steps[1:]  # the first step compiles
+        tokens = sum(s["tokens"] for s in steady)
+        secs = sum(s["step_s"] for s in steady)
+        return {"tok_per_s": tokens / secs, "step_s": statistics.median(s["step_s"] for s in steady),
+                "tokens": tokens, "wall_s": res.wall_s}
+
+    def scaling(self) -> list[str]:
+        res = {n: self.train(n) for n in (1, 2, 3)}
+        base = res[1]["tok_per_s"]
+        lines = []
+        for n in (1, 2, 3):
+            r = res[n]
+            ratio = r["tok_per_s"] / base
+            lines.append(emit(f"scaling_{n}rank_tok_per_s", r["tok_per_s"],
+                              f"ratio {ratio:.2f} vs 1 rank, ideal {n}, efficiency {ratio / n:.2f}; per-rank batch "
+                              f"{PER_RANK_BATCH} x 192 tokens, median step {r['step_s']:.3f} s"))
+        return lines
+
+    def link(self) -> list[str]:
+        out = Path(tempfile.mkdtemp(prefix="bench-link-", dir=ROOT / "runs"))
+        self.made.append(out)
+        hf = self.fab.hostfile(2)
+        p = subprocess.run([PY, "bin/calibrate.py", "--hostfile", str(hf), "--model", MODEL, "--config",
+                            "configs/demo.yaml", "--remote-root", self.fab.remote_root, "--python", self.fab.python,
+                            "--skip-compute", "--out-dir", str(out)], cwd=ROOT, env=self.env, capture_output=True,
+                           text=True, timeout=600)
+        files = sorted(out.glob("calibration-*.json"))
+        if p.returncode or not files:
+            raise RuntimeError(f"calibrate failed:\n{p.stdout[-2500:]}\n{p.stderr[-1500:]}")
+        link = json.loads(files[-1].read_text())["link"]
+        v = link["allreduce_vs_tcp"]
+        lat = link["latency_us"]
+        return [emit("allsum_busbw_gbps", v["allsum_busbw_best_gbps"],
+                     f"ratio {1 / v['tcp_fresh_over_allsum']:.2f} vs bare TCP both ways into fresh memory "
+                     f"{v['tcp_both_directions_fresh_gbps']:.3f} GB/s; {1 / v['tcp_both_over_allsum']:.2f} vs both ways "
+                     f"{v['tcp_both_directions_gbps']:.3f}; {1 / v['tcp_over_allsum']:.2f} vs one way "
+                     f"{v['tcp_one_direction_gbps']:.3f}; {v['bytes_allsum'] >> 20} MiB, best of "
+                     f"{link['allreduce'][-1]['reps']}, 2 fabric hosts, ring"),
+                emit("allsum_latency_us", lat["mean"], f"ratio {lat['mean'] / lat['best']:.2f} vs its best "
+                     f"{lat['best']:.0f} us; {lat['bytes']} B, mean over {link['allreduce'][0]['reps']}")]
+
+
+def run_fabric(names: list[str], deadline: float) -> list[dict]:
+    import fabric as fabric_mod
+
+    why = fabric_mod.unavailable()
+    out = []
+    if why:
+        return [{"name": n, "command": "", "exit_code": None, "status": "skipped", "wall_s": 0, "metrics": [],
+                 "load_start": load(), "load_end": load(), "error": f"the fabric cannot exist here: {why}"}
+                for n in names]
+    fb = FabricBench()
+    try:
+        t0 = time.monotonic()
+        print(f"\n=== fabric: up 3 hosts, sync code + dataset + model (load {load()})", flush=True)
+        fb.up()
+        print(f"fabric ready in {time.monotonic() - t0:.1f} s", flush=True)
+        for name in names:
+            budget = dict(FABRIC)[name]
+            cmd = {"smoke": "make smoke (2 fabric hosts)",
+                   "scaling": f"bin/train.py on 1, 2, 3 fabric hosts, per-rank batch {PER_RANK_BATCH}, {SCALE_STEPS} steps",
+                   "link": "python bin/calibrate.py --skip-compute (2 fabric hosts, 4 KiB..256 MiB)"}[name]
+            entry = {"name": name, "command": cmd, "exit_code": None, "load_start": load(), "metrics": [], "error": ""}
+            if time.monotonic() + budget > deadline:
+                entry.update(status="skipped", wall_s=0, load_end=load(),
+                             error=f"would not finish before the {deadline - START:.0f} s deadline")
+                print(f"\n=== {name}: skipped ({entry['error']})", flush=True)
+                out.append(entry)
+                continue
+            print(f"\n=== {name}: {cmd} (load {entry['load_start']})", flush=True)
+            t1 = time.monotonic()
+            try:
+                lines = getattr(fb, name)()
+                entry.update(status="ok", exit_code=0, metrics=parse_metrics("\n".join(lines)))
+            except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
+                entry.update(status="error", exit_code=2, error=str(e)[-1500:])
+                print(f"{name}: error: {str(e)[-1500:]}", flush=True)
+            entry.update(wall_s=round(time.monotonic() - t1, 2), load_end=load())
+            out.append(entry)
+    except (RuntimeError, subprocess.SubprocessError, OSError) as e:
+        done = {e_["name"] for e_ in out}
+        out += [{"name": n, "command": "", "exit_code": None, "status": "error", "wall_s": 0, "metrics": [],
+                 "load_start": load(), "load_end": load(), "error": f"fabric: {e}"[-1500:]} for n in names if n not in done]
+    finally:
+        fb.down()
+    return out
+
+
+# ---- the summary -----------------------------------------------------------------------------
+def summary_md(doc: dict) -> str:
+    m = doc["machine"]
+    lines = [BEGIN, "",
+             f"Last run: `{doc['command']}` at {doc['started']}, {doc['wall_s']:.0f} s in all (budget 600 s), "
+             f"load average {doc['load_start']} at the start and {doc['load_end']} at the end.",
+             f"Machine: {m['uname']}, {m['cpus']} cores, {m['memory_gib']} GiB, Python {m['python']}, mlx {m['mlx']}, "
+             f"mlx-lm {m['mlx_lm']}.", "",
+             "| benchmark | status | wall s | load at start | metric | value | against the baseline |",
+             "| --- | --- | ---: | --- | --- | ---: | --- |"]
+    for b in doc["benchmarks"]:
+        rows = b["metrics"] or [{"name": "-", "value": None, "detail": b.get("error", "")[:160].replace("\n", " ")}]
+        for i, r in enumerate(rows):
+            head = (f"| {b['name']} | {b['status']} | {b['wall_s']:.0f} | {' '.join(map(str, b['load_start']))} |"
+                    if i == 0 else "| | | | |")
+            val = "-" if r["value"] is None else f"{r['value']:.4g}"
+            detail = r["detail"].replace("|", "/")
+            lines.append(f"{head} `{r['name']}` | {val} | {detail} |")
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def update_readme(path: Path, doc: dict) -> None:
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    block = summary_md(doc)
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n## Summary\n\n" + block + "\n"
+    atomic.write_text(path, text)
+
+
+START = time.monotonic()
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    only = [n for n in args.only.split(",") if n]
+    skip = [n for n in args.skip.split(",") if n]
+    bad = sorted(set(only + skip) - set(NAMES))
+    if bad:
+        print(f"error: unknown benchmark(s) {bad}; choose from {', '.join(NAMES)}", file=sys.stderr)
+        return 2
+    chosen = [n for n in NAMES if (not only or n in only) and n not in skip]
+    deadline = START + args.deadline_s
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    ld0 = load()
+    print(f"bench: {', '.join(chosen)}; deadline {args.deadline_s:g} s; load {ld0}", flush=True)
+    # What the benchmarks run on: the tiny model and the exported sample dataset (built when missing).
+    p = subprocess.run(["make", "--no-print-directory", f"{MODEL}/config.json",
+                        f"datasets/{DATASET}/manifest.json"], cwd=ROOT, capture_output=True, text=True)
+    if p.returncode:
+        print(f"error: could not build the tiny model / dataset:\n{p.stdout}\n{p.stderr}", file=sys.stderr)
+        return 2
+    results = []
+    for name, argv, budget in EXTERNAL:
+        if name not in chosen:
+            continue
+        if time.monotonic() + budget > deadline:
+            results.append({"name": name, "command": shlex.join(["python", *argv]), "exit_code": None,
+                            "status": "skipped", "wall_s": 0, "metrics": [], "load_start": load(), "load_end": load(),
+                            "error": f"would not finish before the {args.deadline_s:g} s deadline"})
+            print(f"\n=== {name}: skipped (deadline)", flush=True)
+            continue
+        results.append(run_external(name, argv, min(budget * 2, max(deadline - time.monotonic(), 30))))
+    fab = [n for n, _ in FABRIC if n in chosen]
+    if fab:
+        results += run_fabric(fab, deadline)
+    doc = {"command": "make bench" if not (only or skip) else shlex.join(["python", "bench/run_all.py", *sys.argv[1:]]),
+           "started": started, "wall_s": round(time.monotonic() - START, 1), "load_start": ld0, "load_end": load(),
+           "machine": machine(), "benchmarks": results}
+    atomic.write_json(args.json, doc)
+    if not args.no_readme:
+        update_readme(Path(args.readme), doc)
+    print(f"\nbench: {len(results)} benchmarks in {doc['wall_s']:.0f} s; "
+          + ", ".join(f"{b['name']} {b['status']}" for b in results) + f"; wrote {os.path.relpath(args.json, ROOT)}",
+          flush=True)
+    statuses = {b["status"] for b in results}
+    return 0 if statuses <= {"ok"} else (1 if statuses <= {"ok", "target missed"} else 2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
