@@ -27,7 +27,7 @@ from pathlib import Path
 from lib import atomic, jsonl, paths
 from lib.hashing import digest_of, sha256_file, tree_hashes
 from lib.hostfile import Hostfile, is_local
-from lib.log import CATEGORIES, event
+from lib.log import CATEGORIES, OTHER_FAILURES, anchor_of, event
 from lib.remote import rsh, run_on
 
 STEP_RE = re.compile(r"(?:^|\s)iter (\d+)\b")
@@ -300,7 +300,8 @@ def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str
         return "runtime parity", f"ranks {missing} never initialized (launcher exit {res.returncode})"
     if ev["failures"]:
         r, f = sorted(ev["failures"].items())[0]
-        return "hang / link partition", f"rank {r} stopped: {f.get('message', '')} (no category applies; see its log)"
+        name, _ = OTHER_FAILURES.get(f.get("kind", "error"), OTHER_FAILURES["error"])
+        return name, f"rank {r}: {f.get('message', '')}"
     if res.returncode != 0 or not res.done:
         return "hang / link partition", (f"a rank died mid-run (launcher exit {res.returncode}, trainer "
                                          f"{'finished' if res.done else 'did not finish'}); the link or the host went away")
@@ -308,7 +309,7 @@ def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str
 
 
 def print_category(category: str, why: str) -> None:
-    anchor = CATEGORIES[category]
+    anchor = anchor_of(category)
     print(f"FAILED category: {category}: {why}; see RUNBOOK.md#{anchor}", file=sys.stderr, flush=True)
 
 
@@ -322,7 +323,7 @@ def summarize(res: LaunchResult, category: str | None, why: str, extra: dict) ->
         "ok": category is None,
         "returncode": res.returncode,
         "category": category,
-        "anchor": CATEGORIES.get(category) if category else None,
+        "anchor": anchor_of(category) if category else None,
         "why": why,
         "wall_s": round(res.wall_s, 3),
         "watchdog_fired": res.watchdog_fired,

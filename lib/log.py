@@ -20,6 +20,26 @@ CATEGORIES = {
 }
 
 
+# Failures that are none of DESIGN.md's categories: a rank stopped for its own reason
+# (its failure.json `kind`), named with the anchor of the fix.
+OTHER_FAILURES = {
+    "config": ("config error", "run-configs"),
+    "resume": ("resume impossible", "resume"),
+    "oom": ("out of memory", "out-of-memory"),
+    "error": ("trainer error", "trainer"),
+}
+
+
+def anchor_of(category: str) -> str:
+    """The RUNBOOK anchor of a category of CATEGORIES or of OTHER_FAILURES."""
+    if category in CATEGORIES:
+        return CATEGORIES[category]
+    for name, anchor in OTHER_FAILURES.values():
+        if name == category:
+            return anchor
+    return "failure-table"
+
+
 class RunbookError(Exception):
     """An operator-facing failure: what went wrong, and the RUNBOOK anchor with the fix."""
 

@@ -26,6 +26,11 @@ def test_categories():
     data = {"joined": {0: {}}, "failures": {1: {"category": "export format or path consistency", "message": "x"}}}
     assert launch.categorize(res(1), data, 2)[0] == "export format or path consistency"
     assert launch.categorize(res(-15, watchdog=True), ok, 2)[0] == "hang / link partition"
+    cfg = {"joined": {0: {}, 1: {}}, "failures": {0: {"category": None, "kind": "config", "message": "batch"}}}
+    assert launch.categorize(res(2), cfg, 2) == ("config error", "rank 0: batch")
+    oom = {"joined": {0: {}, 1: {}}, "failures": {1: {"category": None, "kind": "oom", "message": "x"}}}
+    assert launch.categorize(res(13), oom, 2)[0] == "out of memory"
+    assert launch.summarize(res(13), "out of memory", "x", {})["anchor"] == "out-of-memory"
     assert launch.categorize(res(137), ok, 2)[0] == "hang / link partition"
     # mlx.launch can exit 0 although a rank never started: joined markers decide.
     assert launch.categorize(res(0), {"joined": {0: {}}, "failures": {}}, 2)[0] == "runtime parity"
