@@ -25,10 +25,12 @@ Phases (the code must already be on the hosts: `make calibrate` runs sync first)
      the step at the recommended per-rank batch on every rank concurrently, the trainer's
      gradient all-reduce (mlx.nn.average_gradients over the real LoRA gradient tree), then
      all_sum of float32 arrays from --min-bytes to --max-bytes, doubling: mean and best time,
-     algorithm and bus bandwidth (busbw = bytes / time x 2(N-1)/N, the bytes each rank moves).
+     algorithm and bus bandwidth (busbw = bytes / time x 2(N-1)/N, the bytes each rank moves);
+     the large-message bandwidth is the best busbw over the sizes >= a quarter of the largest.
   3. a bare TCP transfer of --tcp-bytes between rank 0's and rank 1's hosts over rank 1's
-     hostfile IP (python sockets, one direction, then both at once, as a 2-rank all_sum
-     moves it): the ceiling the all_sum is compared with.
+     hostfile IP (python sockets): one direction into a reused buffer (the wire's ceiling), both
+     directions at once (what a 2-rank ring all_sum moves), and both directions each landing in
+     fresh memory of the whole size (what a collective's new output array pays in page faults).
 Then: the recommended per-rank batch and gradient accumulation for the config's global batch
 (batch_size x grad_accumulation_steps), and the expected speedup of the world over one host
 at that global batch: control step time / (slowest rank's concurrent step time + the
@@ -809,6 +811,10 @@ def speedup_model(world: int, hosts: list[dict], split: dict, link: dict | None)
     out.update(grad_bytes=sum(buckets), grad_buckets=buckets, t_grad_allreduce_s=t_grad,
                t_step_stats_allsum_s=t_small, t_dual_allreduce_s=t_comm, t_dual_step_s=t_dual,
                expected_speedup=t_ctrl / t_dual, link_share=t_comm / t_dual)
+    meas = link.get("grad_allreduce_measured")
+    if meas:  # the same with the trainer's own all-reduce as timed (concatenate, all_sum, split)
+        t_alt = t_comp + meas["mean_s"] + t_small
+        out.update(t_grad_allreduce_measured_s=meas["mean_s"], expected_speedup_measured_allreduce=t_ctrl / t_alt)
     return out
 
 
@@ -1023,10 +1029,10 @@ def phase_link(args, hf, cfg: dict, probe_id: str, concurrent_batch: int | None)
                            "runtime parity" if missing else None)
     for r, res in ranks.items():
         check_same_code(f"rank {r} ({hf.hosts[r].ssh})", res)
-    return combine_ranks(hf, ranks, args.remote_root)
+    return combine_ranks(hf, ranks)
 
 
-def combine_ranks(hf, ranks: dict[int, dict], _remote_root: str = "") -> dict:
+def combine_ranks(hf, ranks: dict[int, dict]) -> dict:
     """One curve from every rank's: a collective ends when its slowest rank's does."""
     n = hf.size
     factor = 2 * (n - 1) / n
@@ -1043,8 +1049,14 @@ def combine_ranks(hf, ranks: dict[int, dict], _remote_root: str = "") -> dict:
            "rank_facts": [ranks[r]["facts"] for r in range(n)]}
     small, large = rows[0], rows[-1]
     out["latency_us"] = {"bytes": small["bytes"], "mean": 1e6 * small["mean_s"], "best": 1e6 * small["min_s"]}
-    out["bandwidth_gbps"] = {"bytes": large["bytes"], "busbw_mean": large["busbw_gbps"],
-                             "busbw_best": large["best_busbw_gbps"], "algbw_mean": large["algbw_gbps"]}
+    # Large-message bandwidth: the best bus bandwidth over the largest sizes (>= a quarter of the
+    # largest: the plateau), so one disturbed size on a busy host does not stand for the link.
+    plateau = [r for r in rows if r["bytes"] >= large["bytes"] / 4] or [large]
+    top = max(plateau, key=lambda r: r["best_busbw_gbps"])
+    out["bandwidth_gbps"] = {"bytes": top["bytes"], "busbw_mean": top["busbw_gbps"], "busbw_best": top["best_busbw_gbps"],
+                             "algbw_mean": top["algbw_gbps"], "plateau_bytes": [r["bytes"] for r in plateau],
+                             "largest": {"bytes": large["bytes"], "busbw_mean": large["busbw_gbps"],
+                                         "busbw_best": large["best_busbw_gbps"]}}
     if "concurrent" in ranks[0]:
         conc: dict = {}
         for r in range(n):
@@ -1204,6 +1216,9 @@ def orchestrate(args) -> int:
     except KeyboardInterrupt:
         sweep_hosts(hf, probe_id)
         return die(RunbookError("interrupted; nothing written", ANCHOR), 130)
+    except Exception:  # a bug: leave no probe behind, then show the traceback
+        sweep_hosts(hf, probe_id)
+        raise
 
     for h in hosts:
         if not h.get("facts") and link:
@@ -1308,7 +1323,8 @@ def print_table(doc: dict) -> None:
             print(f"  bare TCP {t['sender']} -> {t['receiver']} ({t['ip']}), {human_bytes(t['bytes'])}, best per "
                   f"direction: one direction {t['one_direction_gbps_best']:.3f} GB/s, both at once "
                   f"{t['both_directions_gbps_best']:.3f}, both into fresh memory {t['both_directions_fresh_gbps_best']:.3f}; "
-                  f"all_sum best busbw {v['allsum_busbw_best_gbps']:.3f} GB/s = 1/{fmt_num(v['tcp_over_allsum'], '.2f')}, "
+                  f"all_sum large-message busbw {v['allsum_busbw_best_gbps']:.3f} GB/s (best, at "
+                  f"{human_bytes(v['bytes_allsum'])}) = 1/{fmt_num(v['tcp_over_allsum'], '.2f')}, "
                   f"1/{fmt_num(v['tcp_both_over_allsum'], '.2f')}, 1/{fmt_num(v['tcp_fresh_over_allsum'], '.2f')} of them")
         if "grad_allreduce_modeled" in link:
             g = link["grad_allreduce_modeled"]
