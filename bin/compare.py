@@ -591,11 +591,24 @@ def plot_curves(dual: dict, control: dict, losses: dict, verdict: str) -> bytes:
 
 
 # ---- calibration (issue #9 defines the file; read it only when it says what we need) ----------------
-def calibration_note(speedup: float | None, world_ratio: float, runs_dir: Path | None = None) -> dict | None:
-    """The newest runs/calibration-*.json (names sort by time). Read only `expected_speedup`:
-    the speedup the measured link and per-host throughput allow. The speedup is link-bound
-    when that is well below the ideal (the link costs) and the run reached it."""
+def calibration_hosts(path: Path) -> list | None:
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8")).get("hostfile", {})
+        return [h.get("ssh") for h in hf.get("hosts", [])] if isinstance(hf, dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def calibration_note(speedup: float | None, world_ratio: float, runs_dir: Path | None = None,
+                     hosts: list | None = None) -> dict | None:
+    """The newest runs/calibration-*.json (names sort by time) of the dual run's hosts (when
+    given). `expected_speedup` is the speedup the measured link and per-host throughput allow;
+    the calibration's own `link_bound` says whether the link (not shared compute) is what holds
+    it below ideal (without it: expected well below ideal). The run's speedup is link-bound
+    when the calibration says so and the run reached what it expects."""
     files = sorted((runs_dir or paths.RUNS).glob("calibration-*.json"))
+    if hosts is not None:
+        files = [f for f in files if calibration_hosts(f) in (None, hosts)]
     if not files:
         return None
     path = files[-1]
@@ -612,7 +625,8 @@ def calibration_note(speedup: float | None, world_ratio: float, runs_dir: Path |
     out["expected_speedup"] = exp
     if speedup is None:
         out["note"] = f"calibration expects {exp:.2f}x; no measured speedup"
-    elif exp < 0.9 * world_ratio and speedup >= 0.9 * exp:
+    elif (cal["link_bound"] if isinstance(cal.get("link_bound"), bool) else exp < 0.9 * world_ratio) \
+            and speedup >= 0.9 * exp:
         out["link_bound"] = True
         out["note"] = (f"link-bound: calibration expects {exp:.2f}x of an ideal {world_ratio:g}x "
                        f"(all-reduce over the link), the run reached {speedup:.2f}x")
@@ -686,7 +700,7 @@ def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v
         },
         "evaluation": evaluation,
         "runs": runs,
-        "calibration": calibration_note(finite(verdict["speedup"]), ratio),
+        "calibration": calibration_note(finite(verdict["speedup"]), ratio, hosts=dual.get("hosts")),
         "reproduce_compare": shlex.join(compare_make_cmd(args)),
         "artifacts": {"report_md": f"{out_rel}/report.md", "report_json": f"{out_rel}/report.json",
                       "loss_curves_png": f"{out_rel}/loss_curves.png"},

@@ -305,6 +305,21 @@ def test_calibration_says_whether_the_speedup_is_link_bound(tmp_path):
     assert note["link_bound"] is None and "no expected_speedup" in note["note"]
 
 
+def test_calibration_of_other_hosts_is_ignored_and_its_own_verdict_wins(tmp_path):
+    hf = {"hosts": [{"ssh": "mac4"}, {"ssh": "mac5"}]}
+    atomic.write_json(tmp_path / "calibration-20260101T000000.json",
+                      {"expected_speedup": 1.4, "link_bound": True, "hostfile": hf})
+    atomic.write_json(tmp_path / "calibration-20260102T000000.json",  # newer, but other hosts
+                      {"expected_speedup": 1.9, "link_bound": False, "hostfile": {"hosts": [{"ssh": "fab1"}]}})
+    note = compare.calibration_note(1.35, 2.0, tmp_path, hosts=["mac4", "mac5"])
+    assert note["file"].endswith("calibration-20260101T000000.json") and note["link_bound"] is True
+    assert compare.calibration_note(1.35, 2.0, tmp_path, hosts=["other"]) is None
+    # Shared cores, not the link, hold the expectation down: the calibration says so.
+    atomic.write_json(tmp_path / "calibration-20260103T000000.json",
+                      {"expected_speedup": 0.86, "link_bound": False, "hostfile": hf})
+    assert compare.calibration_note(0.85, 2.0, tmp_path, hosts=["mac4", "mac5"])["link_bound"] is False
+
+
 # ---- run folders around real adapters ----------------------------------------------------------------
 def chat_records() -> list[dict]:
     """Chat records from CPython's language reference: a real domain for the tiny model."""
