@@ -31,8 +31,10 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +47,7 @@ from lib.hashing import HashCache, iter_files  # noqa: E402
 from lib.hostfile import Hostfile, check_path, is_local  # noqa: E402
 from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
-from lib.remote import rsh, run_on  # noqa: E402
+from lib.remote import CONTROL_ENV, close_masters, rsh, run_on  # noqa: E402
 
 CODE = ["bin", "lib", "configs", "Makefile", "requirements.lock"]
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -53,7 +55,7 @@ PROBE_TIMEOUT = 60
 RSYNC_TIMEOUT = 3600
 
 # The probe. $1 = root; [--read-only]; then groups "--hash f..." and "--exists f...". Prints `HOME <dir>`,
-# then `<sha256>  <path>`, `MISSING  <path>` or `EXISTS  <path>` per file. It changes
+# then `<sha256>  <size:mtime:ctime:inode>  <path>`, `MISSING  <path>` or `EXISTS  <path>` per file. It changes
 # nothing but its hash cache (REMOTE_ROOT/.thunder-sync-hashes: sha256 by size, mtime, ctime
 # and inode, like git's index; a write always changes ctime, and entries younger than 2 s
 # are not kept, so a cached hash is never stale). The script is a constant; every value
@@ -84,7 +86,7 @@ for f in "$@"; do
     sum=$($h -- "$f") || exit 3
     sum=${sum%% *}
   fi
-  printf '%s  %s\n' "$sum" "$f"
+  printf '%s  %s  %s\n' "$sum" "$key" "$f"
   ctime=${key#*:*:}; ctime=${ctime%%:*}
   if [ $((now - ctime)) -gt 2 ]; then printf '%s %s %s\n' "$sum" "$key" "$f" >> "$new"; fi
 done
@@ -172,9 +174,10 @@ CACHE = HashCache(paths.ROOT / ".stamps" / "sync-hashes.json")
 sha256_file = CACHE.sha256
 
 
-def load_manifest(dataset: str) -> tuple[dict[str, str], list[str]]:
-    """Expected sha256 of every dataset file from the local manifest, plus the manifest
-    itself; verifies the local copy first (a local mismatch is never pushed)."""
+def load_manifest(dataset: str) -> dict[str, str]:
+    """Expected sha256 of every dataset file from the local manifest, plus the manifest itself.
+    The local files are checked against it by verify_local (a local mismatch is never swapped
+    into place on a host)."""
     ddir = paths.DATASETS / dataset
     mpath = ddir / "manifest.json"
     if not mpath.is_file():
@@ -184,17 +187,18 @@ def load_manifest(dataset: str) -> tuple[dict[str, str], list[str]]:
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise RunbookError(f"{paths.rel(mpath)} has no 'files' table; re-run make export", "export")
-    expected = {}
-    for name, meta in sorted(files.items()):
-        rel = f"datasets/{dataset}/{name}"
-        want = meta["sha256"]
+    expected = {f"datasets/{dataset}/{name}": meta["sha256"] for name, meta in sorted(files.items())}
+    expected[f"datasets/{dataset}/manifest.json"] = sha256_file(mpath)
+    return expected
+
+
+def verify_local(expected: dict[str, str]) -> None:
+    """Raise when a local dataset file does not hash to its manifest value."""
+    for rel, want in expected.items():
         got = sha256_file(paths.ROOT / rel) if (paths.ROOT / rel).is_file() else "MISSING"
         if got != want:
             raise RunbookError(f"local {rel} does not match its manifest ({got[:12]} != {want[:12]}); "
                                "re-run make export", "export")
-        expected[rel] = want
-    expected[f"datasets/{dataset}/manifest.json"] = sha256_file(mpath)
-    return expected, sorted(files)
 
 
 class ModelHashes:
@@ -220,7 +224,7 @@ def probe(host: str, local: bool, root: str, hash_files: list[str], exist_files:
     r = run_on(host, argv, timeout=PROBE_TIMEOUT, local=local)
     if not r.ok:
         raise RunbookError(f"{host}: probe failed (exit {r.returncode}): {r.stderr.strip()[:400]}", "sync-ssh")
-    out = {"home": "", "noroot": False, "hash": {}, "missing": set(), "exists": set()}
+    out = {"home": "", "noroot": False, "hash": {}, "stat": {}, "missing": set(), "exists": set()}
     for line in r.stdout.splitlines():
         if line.startswith("HOME "):
             out["home"] = line[5:].strip()
@@ -230,8 +234,10 @@ def probe(host: str, local: bool, root: str, hash_files: list[str], exist_files:
             out["missing"].add(line[9:])
         elif line.startswith("EXISTS  "):
             out["exists"].add(line[8:])
-        elif re.match(r"^[0-9a-f]{64}  ", line):
-            out["hash"][line[66:]] = line[:64]
+        elif re.match(r"^[0-9a-f]{64}  [0-9]+:[0-9]+:", line):
+            key, path = line[66:].split("  ", 1)
+            out["hash"][path] = line[:64]
+            out["stat"][path] = key
     return out
 
 
@@ -255,6 +261,12 @@ def rsync(args: list[str], dry_run: bool, bwlimit: int) -> tuple[int, list[str],
     return sent, changes, p.stderr
 
 
+def quick_key(path: Path) -> list[str]:
+    """[size, mtime seconds]: what rsync's quick check compares."""
+    st = path.stat()
+    return [str(st.st_size), str(int(st.st_mtime))]
+
+
 def sync_host(host: str, args, plan: dict) -> dict:
     """Probe, transfer what differs, swap, verify. Returns this host's report."""
     root = plan["root"]
@@ -263,6 +275,7 @@ def sync_host(host: str, args, plan: dict) -> dict:
     t0 = time.monotonic()
     if local and Path(root) == paths.ROOT:
         # The embedded default: the destination is this repo. Nothing to copy; verify it.
+        plan["local_ok"].result()
         bad = {f: h for f, h in plan["expected"].items() if sha256_file(paths.ROOT / f) != h}
         rec.update(actions=["none: destination is the source"], verified=not bad,
                    mismatches=sorted(bad), wall_s=round(time.monotonic() - t0, 3))
@@ -305,8 +318,16 @@ def sync_host(host: str, args, plan: dict) -> dict:
                                      True, args.bwlimit)
         else:
             target = f"{host + ':' if not local else ''}{parent}/{staging}/"
-            sent, changes, _ = rsync(["--checksum", "--delete", f"--max-delete={args.max_delete}",
-                                      f"--link-dest={final}", src, target], False, args.bwlimit)
+            # rsync's quick check (size and mtime) decides what --link-dest hard-links. It can
+            # only be fooled by a file that differs in content but not in size and mtime (to
+            # the second); only then pay a --checksum pass over every file.
+            fooled = [f for f in data_diff if f in before["stat"]
+                      and quick_key(paths.ROOT / f) == before["stat"][f].split(":")[:2]]
+            sent, changes, _ = rsync([*(["--checksum"] if fooled else []), "--delete",
+                                      f"--max-delete={args.max_delete}", f"--link-dest={final}", src, target],
+                                     False, args.bwlimit)
+            rec["checksum_pass"] = bool(fooled)
+            plan["local_ok"].result()  # raises when the local copy does not match its manifest
             sw = run_on(host, ["sh", "-c", SWAP_SH, "sh", parent, name, staging, aside],
                         local=local, timeout=PROBE_TIMEOUT)
             if not sw.ok:
@@ -326,6 +347,7 @@ def sync_host(host: str, args, plan: dict) -> dict:
         rec["changes"] += [f"model {c}" for c in changes]
         rec["actions"].append("model")
 
+    plan["local_ok"].result()
     if args.dry_run:
         rec["verified"] = None
         rec["wall_s"] = round(time.monotonic() - t0, 3)
@@ -352,7 +374,7 @@ def main() -> int:
         if not NAME_RE.match(args.dataset):
             raise RunbookError(f"DATASET {args.dataset!r} is not a plain folder name", "sync-refused")
         hf: Hostfile = load_hostfile(args.hostfile)
-        expected, _ = load_manifest(args.dataset)
+        expected = load_manifest(args.dataset)
         code = {f: sha256_file(paths.ROOT / f) for f in iter_files(paths.ROOT, CODE)}
         mrel = model_rel(args.model)
         model_files = [f for f in iter_files(paths.ROOT, [mrel])] if mrel else []
@@ -363,7 +385,11 @@ def main() -> int:
     except RunbookError as e:
         return die(e, 2)
 
-    plan = {"root": root, "code": code, "expected": expected, "model_rel": mrel,
+    # The local copy is hashed while the hosts are probed and sent to; every host waits for
+    # the verdict before it swaps anything into place.
+    local_check = ThreadPoolExecutor(max_workers=1)
+    plan = {"local_ok": local_check.submit(verify_local, expected)}
+    plan |= {"root": root, "code": code, "expected": expected, "model_rel": mrel,
             "model_files": model_files, "model_hashes": ModelHashes(model_files)}
     hosts = hf.unique_ssh()
 
@@ -378,8 +404,16 @@ def main() -> int:
         except subprocess.TimeoutExpired as e:
             errors[h] = f"{h}: timed out: {e}"
 
-    with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
-        list(pool.map(one, hosts))
+    ctl = tempfile.mkdtemp(prefix="thsync-", dir="/tmp")  # short: a socket path is <= 104 bytes
+    os.environ[CONTROL_ENV] = ctl
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+            list(pool.map(one, hosts))
+    finally:
+        close_masters(hosts)
+        os.environ.pop(CONTROL_ENV, None)
+        shutil.rmtree(ctl, ignore_errors=True)
+    local_check.shutdown()
     CACHE.save()
 
     code_rc = 0

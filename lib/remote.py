@@ -30,7 +30,25 @@ def ssh_options() -> list[str]:
     cfg = os.environ.get("SSH_CONFIG")
     if cfg:
         opts = ["-F", cfg] + opts
+    ctl = os.environ.get(CONTROL_ENV)
+    if ctl:
+        # One connection per host for a script's many calls (sync: probe, rsync, swap, verify).
+        # The master exits when the script closes it, or 30 s after its last use.
+        opts += ["-o", "ControlMaster=auto", "-o", f"ControlPath={ctl}/%C", "-o", "ControlPersist=30"]
     return opts
+
+
+CONTROL_ENV = "THUNDER_SSH_CONTROL_DIR"
+
+
+def close_masters(hosts: list[str]) -> None:
+    """Close the shared connections opened under CONTROL_ENV (no-op without it)."""
+    if not os.environ.get(CONTROL_ENV):
+        return
+    for h in hosts:
+        if not is_local(h):
+            subprocess.run(["ssh", *ssh_options(), "-O", "exit", "--", h], capture_output=True,
+                           stdin=subprocess.DEVNULL, timeout=10)
 
 
 def ssh_argv(host: str, argv: list[str]) -> list[str]:
