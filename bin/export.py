@@ -55,6 +55,7 @@ import signal
 import sys
 import time
 import zlib
+from collections import deque
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -1104,9 +1105,10 @@ def reader_thread(files: list[Path], limit: int, depth: int):
 
 class Pool:
     """`--workers N`: N `bin/export.py --worker` processes, fed chunks round-robin and
-    answering in submission order, so the output never depends on N. One chunk in flight
-    per worker. On Linux each worker shares a memfd with this process: the chunk and the
-    output lines travel through it (a memcpy each way), and the pipes carry only small
+    answering in submission order, so the output never depends on N. Two chunks in flight
+    per worker (SLOTS): one is queued while this process takes the other's result. On
+    Linux each worker shares a memfd with this process (one region per slot): the chunk
+    and the output lines travel through it (a memcpy each way), and the pipes carry only small
     pickles (what went through a pipe cost more CPU than the shaping it fed); a chunk or
     result too big for it, or a system without memfd, goes through the pipes as pickled
     bytes. A worker reads until its stdin closes: when the exporter exits, or is killed,
@@ -1115,6 +1117,7 @@ class Pool:
 
     IN_CAP = 2 << 20   # bytes of a chunk passed in shared memory (BLOCK is 512 KiB)
     OUT_CAP = 6 << 20  # bytes of output lines passed back in shared memory
+    SLOTS = 2          # chunks in flight per worker, each with its own IN_CAP + OUT_CAP
 
     def __init__(self, n: int, s: dict):
         import mmap
@@ -1129,8 +1132,8 @@ class Pool:
             if hasattr(os, "memfd_create"):
                 try:
                     fd = os.memfd_create("export.worker")
-                    os.ftruncate(fd, self.IN_CAP + self.OUT_CAP)
-                    mm = mmap.mmap(fd, self.IN_CAP + self.OUT_CAP)
+                    os.ftruncate(fd, self.SLOTS * (self.IN_CAP + self.OUT_CAP))
+                    mm = mmap.mmap(fd, self.SLOTS * (self.IN_CAP + self.OUT_CAP))
                 except OSError:
                     if fd >= 0:
                         os.close(fd)
@@ -1150,18 +1153,21 @@ class Pool:
                         pass
             self.procs.append(p)
             self.shm.append(mm)
-            self._send(p, (s, fd if mm is not None else -1, self.IN_CAP, self.OUT_CAP))
+            self._send(p, (s, fd if mm is not None else -1, self.SLOTS, self.IN_CAP,
+                           self.OUT_CAP))
 
     def _send(self, p, obj) -> None:
         self.pickle.dump(obj, p.stdin, protocol=self.pickle.HIGHEST_PROTOCOL)
         p.stdin.flush()
 
-    def submit(self, k: int, task: tuple) -> None:
+    def submit(self, k: int, slot: int, task: tuple) -> None:
         chunk, fname, base = task
         mm = self.shm[k]
+        task = (chunk, fname, base, slot)
         if mm is not None and len(chunk) <= self.IN_CAP:
-            mm[:len(chunk)] = chunk
-            task = (len(chunk), fname, base)
+            at = slot * (self.IN_CAP + self.OUT_CAP)
+            mm[at:at + len(chunk)] = chunk
+            task = (len(chunk), fname, base, slot)
         try:
             self._send(self.procs[k], task)
         except OSError:  # a broken pipe: the worker is gone
@@ -1172,7 +1178,7 @@ class Pool:
                    "out-of-memory killer): export again with fewer --workers",
                    "export-crashed") from None
 
-    def result(self, k: int) -> tuple:
+    def result(self, k: int, slot: int) -> tuple:
         p = self.procs[k]
         try:
             kind, value = self.pickle.load(p.stdout)
@@ -1182,7 +1188,8 @@ class Pool:
             raise fail(f"export worker {p.pid} failed (a bug: please report it with this "
                        f"traceback):\n{value}", "export-crashed")
         if kind == "shm":  # the output lines are in shared memory: sizes in place of bytes
-            mm, at, blobs = self.shm[k], self.IN_CAP, []
+            mm, blobs = self.shm[k], []
+            at = slot * (self.IN_CAP + self.OUT_CAP) + self.IN_CAP
             for size in value[1]:
                 blobs.append(mm[at:at + size])
                 at += size
@@ -1216,11 +1223,11 @@ def worker_main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the exporter; it ends us
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     try:
-        s, fd, in_cap, out_cap = pickle.load(inp)
+        s, fd, slots, in_cap, out_cap = pickle.load(inp)
         init_worker(s)
         mm = None
         if fd >= 0:
-            mm = mmap.mmap(fd, in_cap + out_cap)
+            mm = mmap.mmap(fd, slots * (in_cap + out_cap))
             os.close(fd)
         while True:
             try:
@@ -1228,12 +1235,14 @@ def worker_main() -> int:
             except EOFError:
                 return 0
             try:
-                if type(task[0]) is int:  # the chunk is in shared memory
-                    task = (mm[:task[0]], *task[1:])
-                r = process_chunk(*task)
+                chunk, fname, base, slot = task
+                start = slot * (in_cap + out_cap)
+                if type(chunk) is int:  # the chunk is in shared memory
+                    chunk = mm[start:start + chunk]
+                r = process_chunk(chunk, fname, base)
                 sizes = [len(b) for b in r[1]]
                 if mm is not None and sum(sizes) <= out_cap:
-                    at = in_cap
+                    at = start + in_cap
                     for b in r[1]:
                         mm[at:at + len(b)] = b
                         at += len(b)
@@ -1256,7 +1265,7 @@ def run_export(files: list[Path], tmp: Path, s: dict, workers: int = 1) -> dict:
     process takes the results in input order, deduplicates them as a batch (vectorized
     lookups; lines sharing a key with anything go one by one, in line order) and hands the
     bytes to a writer thread. Only the two digest indexes grow with the input; about
-    workers + 6 chunks are in memory at a time.
+    2 x workers + TAKE_BATCH + 3 chunks are in memory at a time.
     """
     ex = Exporter(tmp, s)
     sources = []
@@ -1265,7 +1274,7 @@ def run_export(files: list[Path], tmp: Path, s: dict, workers: int = 1) -> dict:
     try:
         if workers > 1:
             pool = Pool(workers, s)
-            slots: list = [None] * workers
+            inflight: deque = deque()  # (worker, slot, chunk, fname, base), oldest first
         else:
             init_worker(s)
         i = 0
@@ -1284,12 +1293,15 @@ def run_export(files: list[Path], tmp: Path, s: dict, workers: int = 1) -> dict:
                     batch.append((chunk, fname, base, process_chunk(chunk, fname, base)))
                     take_some()
                     continue
-                k = i % workers
-                if slots[k] is not None:  # chunk i - workers, the oldest in flight
-                    batch.append((*slots[k], pool.result(k)))
+                # Chunk i goes to worker i % N, slot (i // N) % 2: two in flight per worker,
+                # so a worker has its next chunk queued while this process takes a result.
+                k, slot = i % workers, (i // workers) % Pool.SLOTS
+                if len(inflight) == Pool.SLOTS * workers:  # chunk i - 2N: same worker, slot
+                    k0, slot0, *task = inflight.popleft()
+                    batch.append((*task, pool.result(k0, slot0)))
                     take_some()
-                pool.submit(k, (chunk, fname, base))
-                slots[k] = (chunk, fname, base)
+                pool.submit(k, slot, (chunk, fname, base))
+                inflight.append((k, slot, chunk, fname, base))
                 i += 1
             elif item[0] == "file":
                 sources.append(item[1])
@@ -1298,9 +1310,9 @@ def run_export(files: list[Path], tmp: Path, s: dict, workers: int = 1) -> dict:
             else:
                 break
         if pool is not None:
-            for j in range(i, i + workers):
-                if slots[j % workers] is not None:
-                    batch.append((*slots[j % workers], pool.result(j % workers)))
+            while inflight:
+                k0, slot0, *task = inflight.popleft()
+                batch.append((*task, pool.result(k0, slot0)))
         take_some(final=True)
         files_meta = ex.close()
     except BaseException:
