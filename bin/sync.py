@@ -93,17 +93,28 @@ done
 if [ "$new" != /dev/null ]; then mv -f "$new" "$cache" 2>/dev/null || rm -f "$new"; fi
 """
 
-# Swap a fully transferred staging folder into place: $1 = parent, $2 = name,
-# $3 = staging name, $4 = aside name. If an earlier swap was cut between its two renames,
-# the aside copy is put back first.
-SWAP_SH = r"""
+# Verify a fully transferred staging folder, then swap it into place: $1 = parent, $2 = name,
+# $3 = staging name, $4 = aside name, then pairs `<sha256> <file>` that every file of the
+# staging copy must hash to. A mismatch prints `MISMATCH <file> <got>` and exits 4 with the
+# old copy still live. If an earlier swap was cut between its two renames, the aside copy is
+# put back first.
+VERIFY_SWAP_SH = r"""
 set -e
-cd "$1"
-if [ ! -e "$2" ] && [ -d "$4" ]; then mv "$4" "$2"; fi
-rm -rf "$4"
-if [ -e "$2" ]; then mv "$2" "$4"; fi
-mv "$3" "$2"
-rm -rf "$4"
+cd "$1"; name=$2; staging=$3; aside=$4; shift 4
+if command -v sha256sum >/dev/null 2>&1; then h=sha256sum; else h="shasum -a 256"; fi
+bad=
+while [ $# -ge 2 ]; do
+  want=$1; f=$2; shift 2
+  if [ ! -f "$staging/$f" ]; then echo "MISMATCH $f missing"; bad=1; continue; fi
+  got=$($h -- "$staging/$f"); got=${got%% *}
+  if [ "$got" != "$want" ]; then echo "MISMATCH $f $got"; bad=1; fi
+done
+if [ -n "$bad" ]; then exit 4; fi
+if [ ! -e "$name" ] && [ -d "$aside" ]; then mv "$aside" "$name"; fi
+rm -rf "$aside"
+if [ -e "$name" ]; then mv "$name" "$aside"; fi
+mv "$staging" "$name"
+rm -rf "$aside"
 """
 
 HOME_RE = re.compile(r"^/(root|var/root|home/[^/]+|Users/[^/]+)/?$")
@@ -298,54 +309,53 @@ def sync_host(host: str, args, plan: dict) -> dict:
         if not mk.ok:
             raise RunbookError(f"{host}: cannot create {root}: {mk.stderr.strip()}", "sync-ssh")
 
-    if code_diff:
-        sent, changes, _ = rsync(["--checksum", "-R", "--exclude=__pycache__", "--exclude=*.pyc",
-                                  "--exclude=.*", *CODE, f"{dest}/"], args.dry_run, args.bwlimit)
-        rec["transferred_bytes"] += sent
-        rec["changes"] += [f"code {c}" for c in changes]
-        rec["actions"].append("code")
+    def send_code():
+        return "code", *rsync(["--checksum", "-R", "--exclude=__pycache__", "--exclude=*.pyc",
+                               "--exclude=.*", *CODE, f"{dest}/"], args.dry_run, args.bwlimit)[:2]
 
-    if data_diff:
+    def send_dataset():
         name = args.dataset
         parent = inside(root, "datasets")
         final = inside(root, f"datasets/{name}")
-        staging = f".{name}.incoming"
-        aside = f".{name}.previous"
+        staging, aside = f".{name}.incoming", f".{name}.previous"
         src = f"datasets/{name}/"
         if args.dry_run:
-            target = f"{dest}/datasets/{name}/"
-            sent, changes, _ = rsync(["--checksum", "--delete", f"--max-delete={args.max_delete}", src, target],
-                                     True, args.bwlimit)
-        else:
-            target = f"{host + ':' if not local else ''}{parent}/{staging}/"
-            # rsync's quick check (size and mtime) decides what --link-dest hard-links. It can
-            # only be fooled by a file that differs in content but not in size and mtime (to
-            # the second); only then pay a --checksum pass over every file.
-            fooled = [f for f in data_diff if f in before["stat"]
-                      and quick_key(paths.ROOT / f) == before["stat"][f].split(":")[:2]]
-            sent, changes, _ = rsync([*(["--checksum"] if fooled else []), "--delete",
-                                      f"--max-delete={args.max_delete}", f"--link-dest={final}", src, target],
-                                     False, args.bwlimit)
-            rec["checksum_pass"] = bool(fooled)
-            plan["local_ok"].result()  # raises when the local copy does not match its manifest
-            sw = run_on(host, ["sh", "-c", SWAP_SH, "sh", parent, name, staging, aside],
-                        local=local, timeout=PROBE_TIMEOUT)
-            if not sw.ok:
-                raise RunbookError(f"{host}: could not swap {staging} into {final}: {sw.stderr.strip()}", "sync-ssh")
-        rec["transferred_bytes"] += sent
-        rec["changes"] += [f"dataset {c}" for c in changes]
-        rec["actions"].append("dataset")
+            return "dataset", *rsync(["--checksum", "--delete", f"--max-delete={args.max_delete}", src,
+                                      f"{dest}/datasets/{name}/"], True, args.bwlimit)[:2]
+        target = f"{host + ':' if not local else ''}{parent}/{staging}/"
+        # rsync's quick check (size and mtime) decides what --link-dest hard-links. It can only
+        # be fooled by a file that differs in content but not in size and mtime (to the
+        # second); only then pay a --checksum pass over every file.
+        fooled = [f for f in data_diff if f in before["stat"]
+                  and quick_key(paths.ROOT / f) == before["stat"][f].split(":")[:2]]
+        rec["checksum_pass"] = bool(fooled)
+        sent, changes, _ = rsync([*(["--checksum"] if fooled else []), "--delete",
+                                  f"--max-delete={args.max_delete}", f"--link-dest={final}", src, target],
+                                 False, args.bwlimit)
+        plan["local_ok"].result()  # raises when the local copy does not match its manifest
+        pairs = [x for f, h in sorted(plan["expected"].items()) for x in (h, f.rsplit("/", 1)[1])]
+        sw = run_on(host, ["sh", "-c", VERIFY_SWAP_SH, "sh", parent, name, staging, aside, *pairs],
+                    local=local, timeout=RSYNC_TIMEOUT)
+        bad = [ln.split()[1] for ln in sw.stdout.splitlines() if ln.startswith("MISMATCH ")]
+        if bad:
+            rec["dataset_mismatches"] = [f"datasets/{name}/{b}" for b in bad]
+        elif not sw.ok:
+            raise RunbookError(f"{host}: could not swap {staging} into {final}: {sw.stderr.strip()}", "sync-ssh")
+        return "dataset", sent, changes
 
-    if do_model:
+    def send_model():
         mrel = plan["model_rel"]
-        target = f"{dest}/{mrel}/"
-        inside(root, mrel)
         if not args.dry_run:
             run_on(host, ["mkdir", "-p", "--", inside(root, mrel)], local=local, timeout=PROBE_TIMEOUT)
-        sent, changes, _ = rsync(["--delay-updates", f"{mrel}/", target], args.dry_run, args.bwlimit)
-        rec["transferred_bytes"] += sent
-        rec["changes"] += [f"model {c}" for c in changes]
-        rec["actions"].append("model")
+        return "model", *rsync(["--delay-updates", f"{mrel}/", f"{dest}/{mrel}/"], args.dry_run, args.bwlimit)[:2]
+
+    # Code, dataset and model travel at once (each its own rsync over the host's one connection).
+    jobs = [fn for fn, needed in ((send_code, code_diff), (send_dataset, data_diff), (send_model, do_model)) if needed]
+    with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
+        for kind, sent, changes in pool.map(lambda fn: fn(), jobs):
+            rec["transferred_bytes"] += sent
+            rec["changes"] += [f"{kind} {c}" for c in changes]
+            rec["actions"].append(kind)
 
     plan["local_ok"].result()
     if args.dry_run:
@@ -353,14 +363,22 @@ def sync_host(host: str, args, plan: dict) -> dict:
         rec["wall_s"] = round(time.monotonic() - t0, 3)
         return rec
 
-    # Verify: hash again unless nothing was touched (then the first probe is the verification).
-    after = before
-    if rec["actions"]:
-        vhash = hash_files + (sorted(plan["model_files"]) if do_model else [])
+    # Verify: the dataset was hashed in its staging folder before the swap; code and model are
+    # hashed again when they were sent. Untouched files stand on the first probe.
+    got = dict(before["hash"])
+    missing = set(before["missing"])
+    if code_diff or do_model:
+        vhash = sorted(plan["code"]) + (sorted(plan["model_files"]) if do_model else [])
         after = probe(host, local, root, vhash, plan["model_files"])
+        got.update(after["hash"])
+        missing = set(after["missing"])
+    if data_diff:
+        got.update(plan["expected"])
+        for f in rec.get("dataset_mismatches", []):
+            got[f] = "mismatch"
     want = dict(plan["code"], **plan["expected"], **(plan["model_hashes"].get() if do_model else {}))
-    bad = sorted(f for f, h in want.items() if after["hash"].get(f) != h)
-    missing_model = sorted(f for f in plan["model_files"] if f in after["missing"]) if plan["model_rel"] else []
+    bad = sorted(f for f, h in want.items() if got.get(f) != h)
+    missing_model = sorted(f for f in plan["model_files"] if f in missing) if plan["model_rel"] else []
     rec.update(verified=not bad and not missing_model, mismatches=bad + missing_model,
                wall_s=round(time.monotonic() - t0, 3))
     return rec
