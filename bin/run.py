@@ -104,7 +104,7 @@ def main() -> int:
     targs = launch.trainer_args(args, run_rel, args.config, resume=args.resume)
     argv = launch.launch_argv(args.hostfile, hf, args.python, args.remote_root, targs, args.port)
     launch.write_reproduce(run_dir, args.stage, launch.make_cmd(args.stage, v), [argv])
-    res, ev, _ = launch.launch_and_collect(args, hf, run_rel, targs, f"launch-{args.stage}.log")
+    res, ev, run_argv = launch.launch_and_collect(args, hf, run_rel, targs, f"launch-{args.stage}.log")
     cat, why = launch.categorize(res, ev, hf.size)
     mets = launch.metrics(run_dir)
     tests = [m for m in mets if m.get("kind") == "test"]
@@ -123,6 +123,10 @@ def main() -> int:
     launch.finish_manifest(run_dir, args.stage, summary)
     if cat:
         launch.print_category(cat, why)
+    if cat == "out of memory":
+        print("fallback ladder (paste one; each keeps the global batch):", file=sys.stderr)
+        for line in launch.oom_ladder(cfg, run_argv, hf.size):
+            print(line, file=sys.stderr)
     event(args.stage, run=args.run, status="PASS" if summary["ok"] else "FAIL",
           test_loss=summary["test_loss"], wall_s=summary["total_wall_s"])
     return 0 if summary["ok"] else 1

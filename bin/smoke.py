@@ -108,6 +108,10 @@ def main() -> int:
     launch.finish_manifest(run_dir, "smoke", summary)
     if cat:
         launch.print_category(cat, why)
+    if cat == "out of memory":
+        print("fallback ladder (paste one; each keeps the global batch):", file=sys.stderr)
+        for line in launch.oom_ladder(cfg, (argv2 or argv1), hf.size):
+            print(line, file=sys.stderr)
     if all_ok:
         key_dir = paths.ROOT / ".stamps" / "smoke-ok"
         atomic.write_json(key_dir / f"{summary['smoke_key']}.json", {"run": args.run, "ts": time.time()})

@@ -302,10 +302,45 @@ def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str
         r, f = sorted(ev["failures"].items())[0]
         name, _ = OTHER_FAILURES.get(f.get("kind", "error"), OTHER_FAILURES["error"])
         return name, f"rank {r}: {f.get('message', '')}"
+    if ev.get("oom_line"):
+        # Killed by the allocator (a segfault on CPU, an abort on Metal) before it could say so.
+        return "out of memory", f"a rank died out of memory: {ev['oom_line']}"
     if res.returncode != 0 or not res.done:
         return "hang / link partition", (f"a rank died mid-run (launcher exit {res.returncode}, trainer "
                                          f"{'finished' if res.done else 'did not finish'}); the link or the host went away")
     return None, ""
+
+
+def oom_line(log_path: Path, offset: int = 0) -> str | None:
+    """The first out-of-memory message in this launch's part of the launch log, if any."""
+    from lib.config import OOM_RE
+
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            for raw in f:
+                line = raw.decode(errors="replace").strip()
+                if OOM_RE.search(line):
+                    return line[:300]
+    except OSError:
+        return None
+    return None
+
+
+def oom_ladder(cfg: dict, argv: list[str], world: int) -> list[str]:
+    """The fallback ladder (per-rank batch 1 with gradient accumulation keeping the global
+    batch; then half max_seq_length) as launch commands ready to paste."""
+    from lib.config import fallback_ladder, set_flag
+
+    cut = argv.index("bin/train.py") + 1 if "bin/train.py" in argv else len(argv)
+    head, train_args = argv[:cut], argv[cut:]
+    lines = []
+    for n, (what, rung) in enumerate(fallback_ladder(cfg, train_args, world), 1):
+        if "--run-dir" in rung:  # each rung in its own run folder
+            rung = set_flag(rung, "--run-dir", f"{rung[rung.index('--run-dir') + 1]}-oom{n}")
+        lines.append(f"# rung {n}: {what}")
+        lines.append(shlex.join(head + rung))
+    return lines
 
 
 def print_category(category: str, why: str) -> None:
@@ -398,9 +433,12 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
     targs = [*targs, "--expect-world-size", str(hf.size), "--launch-id", launch_id]
     argv = launch_argv(args.hostfile, hf, args.python, args.remote_root, targs, args.port)
     event("launch", run=run_rel, world_size=hf.size, cmd=shlex.join(argv))
-    res = run_watched(argv, paths.ROOT / run_rel / "logs" / log_name, args.watchdog)
+    log_path = paths.ROOT / run_rel / "logs" / log_name
+    offset = log_path.stat().st_size if log_path.is_file() else 0
+    res = run_watched(argv, log_path, args.watchdog)
     swept = sweep(hf, run_rel)
     fetched = fetch(hf, run_rel, args.remote_root)
     ev = rank_events(paths.ROOT / run_rel, launch_id)
+    ev["oom_line"] = oom_line(log_path, offset)
     ev["swept"], ev["fetched"] = swept, fetched
     return res, ev, argv

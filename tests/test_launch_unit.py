@@ -80,3 +80,26 @@ def test_reproduce_runs_stages_in_pipeline_order(tmp_path):
     text = (tmp_path / "reproduce.sh").read_text()
     lines = [ln for ln in text.splitlines() if ln.startswith("make ")]
     assert lines == ["make smoke", "make train", "make control"]
+
+
+def test_an_oom_death_without_failure_file_is_named_and_gets_the_ladder(tmp_path):
+    log = tmp_path / "launch.log"
+    log.write_text("iter 3 rank 0 loss 2.0\n")
+    offset = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("libc++abi: terminating due to uncaught exception of type std::runtime_error: "
+                "[metal::malloc] Attempting to allocate 9000000000 bytes\n")
+    line = launch.oom_line(log, offset)
+    assert line and "metal::malloc" in line
+    assert launch.oom_line(log, log.stat().st_size) is None  # an earlier launch's text does not count
+    ev = {"joined": {0: {}, 1: {}}, "failures": {}, "oom_line": line}
+    assert launch.categorize(res(-11), ev, 2)[0] == "out of memory"
+    cfg = {"batch_size": 8, "grad_accumulation_steps": 1, "iters": 100, "save_every": 10,
+           "steps_per_eval": 10, "steps_per_report": 5, "max_seq_length": 2048}
+    argv = ["mlx.launch", "--hostfile", "h.json", "--", "bin/train.py", "--config", "c.yaml",
+            "--run-dir", "runs/x", "--expect-world-size", "2"]
+    lines = launch.oom_ladder(cfg, argv, 2)
+    cmds = [ln for ln in lines if not ln.startswith("#")]
+    assert len(cmds) == 2 and all(c.startswith("mlx.launch --hostfile h.json -- bin/train.py") for c in cmds)
+    assert "--batch-size 2" in cmds[0] and "--grad-accumulation-steps 4" in cmds[0] and "runs/x-oom1" in cmds[0]
+    assert "--max-seq-length 1024" in cmds[1]
