@@ -41,7 +41,6 @@ import fcntl
 import json
 import math
 import os
-import re
 import signal
 import sys
 import threading
@@ -60,7 +59,6 @@ from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import RunbookError  # noqa: E402
 
 STATUS = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "UNKNOWN"}
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 GB = 1 << 30
 
 
@@ -149,7 +147,7 @@ def validate_inputs(args) -> tuple[Hostfile, dict]:
     check_path(args.python, "PYTHON")
     check_path(args.remote_root, "REMOTE_ROOT")
     root = os.path.normpath(args.remote_root)
-    if args.dataset and (not NAME_RE.match(args.dataset) or ".." in args.dataset):
+    if args.dataset and not paths.is_safe_name(args.dataset):
         raise RunbookError(f"DATASET {args.dataset!r} refused: use a plain folder name "
                            "(letters, digits, '.', '_', '-')", "parity-dataset")
     model_local, model_remote, model_check = resolve_model(args.model, root)

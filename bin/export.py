@@ -77,7 +77,6 @@ ROLES = ("system", "user", "assistant")
 RECORD_FIELDS = ("messages", "prompt", "completion", "response", "instruction", "input",
                  "output", "text", "record_id", "weight", "source")
 MESSAGE_FIELDS = ("role", "content")
-DATASET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 RAW_PREFIX = 500           # bytes of a rejected line kept in rejects.jsonl
 BLOCK = 1 << 19            # bytes read at a time: one chunk of lines for a worker
 TAKE_BATCH = 8             # chunks deduplicated together (vectorized index work per batch)
@@ -1436,7 +1435,7 @@ def main() -> int:
     t0 = time.monotonic()
     try:
         if args.dataset is not None:
-            if not DATASET_NAME_RE.match(args.dataset):
+            if not paths.is_safe_name(args.dataset):
                 raise fail(f"DATASET {args.dataset!r} is not a safe folder name: use letters, "
                            "digits, '.', '_', '-'", "export-bad-settings")
             out = paths.DATASETS / args.dataset

@@ -30,7 +30,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, launch, paths  # noqa: E402
-from lib.config import load_config  # noqa: E402
 from lib.hostfile import Hostfile, check_hostname  # noqa: E402
 from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
@@ -63,11 +62,7 @@ def main() -> int:
     args = build_parser().parse_args()
     t0 = time.time()
     try:
-        paths.check_run_id(args.run)
-        hf = load_hostfile(args.hostfile)
-        cfg = load_config(args.config)
-        if args.watchdog is None and cfg.get("watchdog_s"):
-            args.watchdog = float(cfg["watchdog_s"])
+        hf, cfg = launch.load_inputs(args)
         dual_run, dual_hostfile = args.run, args.hostfile
         if args.stage == "control":
             args.run = f"{dual_run}-control"

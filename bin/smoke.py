@@ -29,8 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, launch, paths  # noqa: E402
 from lib import checkpoint as ckpt  # noqa: E402
-from lib.config import load_config  # noqa: E402
-from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 
 
@@ -44,11 +42,7 @@ def main() -> int:
     args = build_parser().parse_args()
     t0 = time.time()
     try:
-        paths.check_run_id(args.run)
-        hf = load_hostfile(args.hostfile)
-        cfg = load_config(args.config)
-        if args.watchdog is None and cfg.get("watchdog_s"):
-            args.watchdog = float(cfg["watchdog_s"])
+        hf, cfg = launch.load_inputs(args)
     except (RunbookError, ValueError) as e:
         return die(e, 2)
     iters, save_every = int(cfg["iters"]), int(cfg["save_every"])

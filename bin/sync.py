@@ -50,7 +50,6 @@ from lib.log import RunbookError, die, event  # noqa: E402
 from lib.remote import CONTROL_ENV, close_masters, rsh, run_on  # noqa: E402
 
 CODE = ["bin", "lib", "configs", "Makefile", "requirements.lock"]
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PROBE_TIMEOUT = 60
 RSYNC_TIMEOUT = 3600
 
@@ -389,7 +388,7 @@ def main() -> int:
     t0 = time.time()
     try:
         root = refuse_dangerous(args.remote_root)
-        if not NAME_RE.match(args.dataset):
+        if not paths.is_safe_name(args.dataset):
             raise RunbookError(f"DATASET {args.dataset!r} is not a plain folder name", "sync-refused")
         hf: Hostfile = load_hostfile(args.hostfile)
         expected = load_manifest(args.dataset)

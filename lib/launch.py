@@ -387,6 +387,20 @@ def add_common_args(p) -> None:
     p.add_argument("--port", type=int, default=None, help="first ring port (mlx.launch --starting-port)")
 
 
+def load_inputs(args):
+    """Validate the run id, hostfile and config a launching stage was given; the config's
+    watchdog_s applies when --watchdog was not. Returns (hostfile, config)."""
+    from lib.config import load_config
+    from lib.hostfile import load as load_hostfile
+
+    paths.check_run_id(args.run)
+    hf = load_hostfile(args.hostfile)
+    cfg = load_config(args.config)
+    if args.watchdog is None and cfg.get("watchdog_s"):
+        args.watchdog = float(cfg["watchdog_s"])
+    return hf, cfg
+
+
 def variables(args, **extra) -> dict:
     """The make variables of this invocation, for the manifest and reproduce.sh."""
     v = {"RUN": args.run, "HOSTFILE": args.hostfile, "CONFIG": args.config, "MODEL": args.model,

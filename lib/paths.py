@@ -12,12 +12,18 @@ DATASETS = ROOT / "datasets"
 MODELS = ROOT / "models"
 CONFIGS = ROOT / "configs"
 
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# A run id or dataset name becomes a folder name on every host.
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def is_safe_name(name: str) -> bool:
+    """Letters, digits, '.', '_', '-'; no leading punctuation, no '..'."""
+    return bool(NAME_RE.match(name)) and ".." not in name
 
 
 def check_run_id(run: str) -> str:
     """A run id becomes a folder name on every host: letters, digits, '.', '_', '-'."""
-    if not RUN_ID_RE.match(run) or ".." in run:
+    if not is_safe_name(run):
         raise ValueError(
             f"run id {run!r} is not a safe folder name: use letters, digits, '.', '_', '-' "
             "(e.g. RUN=stage1-2026-11-21); see RUNBOOK.md#run-folders"
