@@ -2,20 +2,22 @@
 """bench_sync: `bin/sync.py` against a bare `rsync -a` of the same files to the same hosts.
 
 Usage:
-    python bench/bench_sync.py [--mb 200] [--hosts 2] [--min-ratio 0.7] [--max-noop-s 1.0]
+    python bench/bench_sync.py [--mb 200] [--hosts 2] [--reps 3] [--min-ratio 0.7] [--max-noop-s 1.0]
 
 Example (root, needs the multi-host test fabric: ip, unshare, Debian's openssh-server):
     .venv/bin/python bench/bench_sync.py
 
 Brings up its own fabric instance (tests/fabric.py), writes a dataset of --mb megabytes
 (three JSONL splits and an exporter-shaped manifest) under datasets/, then, to the same
-hosts in parallel, in the same run:
-  1. baseline: `rsync -a` of the dataset folder over the fabric's ssh to a scratch folder;
-  2. `bin/sync.py` of the same dataset into a fresh REMOTE_ROOT (probe, transfer, swap,
-     verify by sha256 on each host);
-  3. `bin/sync.py` again with nothing changed, twice: the first re-sync hashes what was just
-     written (the hash caches keep nothing younger than 2 s), the second is the steady-state
-     no-op re-sync the target is about.
+hosts in parallel, in the same run, --reps times, alternating (a pair per repetition, so
+a change of machine load hits both sides alike):
+  1. baseline: `rsync -a` of the dataset folder over the fabric's ssh (a fresh ssh login per
+     host, as an operator's command would) into a fresh scratch folder;
+  2. `bin/sync.py` of the same dataset into a fresh REMOTE_ROOT (probe, code + dataset
+     transfer, sha256 verification on each host, swap);
+then, after the last repetition, `bin/sync.py` again with nothing changed, twice: the first
+re-sync hashes what was just written (the hash caches keep nothing younger than 2 s), the
+second is the steady-state no-op re-sync the target is about. The ratio compares medians.
 Prints `sync_throughput_mb_s: X (ratio Y vs bare rsync Z MB/s)` and
 `sync_noop_s: X (ratio Y vs target T s)`; exits 1 when a target is missed.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -46,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=int, default=200, help="dataset size in MB")
     p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3, help="alternating bare/sync pairs; medians are compared")
     p.add_argument("--min-ratio", type=float, default=0.7)
     p.add_argument("--max-noop-s", type=float, default=1.0)
     return p
@@ -99,32 +103,45 @@ def main() -> int:
         d = make_dataset(name, args.mb)
         total = dir_bytes(d) * len(hosts)
 
-        def bare(h):
-            subprocess.run(["rsync", "-a", "-e", rsh(), f"{d}/", f"{h}:{fab.remote_root}/bare-{name}/"],
+        def bare(h, dst):
+            subprocess.run(["rsync", "-a", "-e", rsh(), f"{d}/", f"{h}:{dst}/"],
                            check=True, env=fenv, capture_output=True)
+
+        def clean(path):
+            with ThreadPoolExecutor(len(hosts)) as pool:
+                list(pool.map(lambda h: subprocess.run(["ssh", h, "rm", "-rf", "--", path], env=fenv,
+                                                       capture_output=True), hosts))
+
+        def sync(root):
+            t0 = time.perf_counter()
+            p = subprocess.run([PY, "bin/sync.py", "--hostfile", str(hf), "--remote-root", root,
+                                "--dataset", name], cwd=ROOT, env=fenv, capture_output=True, text=True)
+            return time.perf_counter() - t0, p
 
         # Warm the page cache of the source for both: the same bytes are read either way.
         for f in d.iterdir():
             f.read_bytes()
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(len(hosts)) as pool:
-            list(pool.map(bare, hosts))
-        bare_s = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        p = subprocess.run([PY, "bin/sync.py", "--hostfile", str(hf), "--remote-root", fab.remote_root,
-                            "--dataset", name], cwd=ROOT, env=fenv, capture_output=True, text=True)
-        sync_s = time.perf_counter() - t0
-        if p.returncode != 0:
-            print(p.stdout, p.stderr)
-            return 2
+        bare_runs, sync_runs = [], []
+        for i in range(args.reps):
+            dst = f"{fab.remote_root}/bare-{i}"
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(hosts)) as pool:
+                list(pool.map(bare, hosts, [dst] * len(hosts)))
+            bare_runs.append(time.perf_counter() - t0)
+            clean(dst)
+            root = f"{fab.remote_root}/sync-{i}"
+            s, p = sync(root)
+            if p.returncode != 0:
+                print(p.stdout, p.stderr)
+                return 2
+            sync_runs.append(s)
+            if i < args.reps - 1:
+                clean(root)
         noops = []
         for _ in range(2):  # the first re-hashes what was just written; the second is steady state
             time.sleep(2.1)  # hash caches keep no entry younger than 2 s
-            t0 = time.perf_counter()
-            p = subprocess.run([PY, "bin/sync.py", "--hostfile", str(hf), "--remote-root", fab.remote_root,
-                                "--dataset", name], cwd=ROOT, env=fenv, capture_output=True, text=True)
-            noops.append(time.perf_counter() - t0)
+            s, p = sync(root)
+            noops.append(s)
             if p.returncode != 0 or p.stdout.count("actions none bytes 0") != len(hosts):
                 print(p.stdout, p.stderr)
                 return 2
@@ -134,9 +151,13 @@ def main() -> int:
         subprocess.run(["make", "--no-print-directory", "fabric-down"], cwd=ROOT, env=env, capture_output=True)
 
     mb = total / 1e6
+    bare_s, sync_s = statistics.median(bare_runs), statistics.median(sync_runs)
     bare_tp, sync_tp = mb / bare_s, mb / sync_s
     ratio = sync_tp / bare_tp
-    print(f"bare_rsync_mb_s: {bare_tp:.1f} ({mb:.0f} MB to {len(hosts)} hosts in {bare_s:.2f} s)")
+    runs = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    print(f"bare_rsync_mb_s: {bare_tp:.1f} ({mb:.0f} MB to {len(hosts)} hosts in a median {bare_s:.2f} s; "
+          f"runs {runs(bare_runs)} s)")
+    print(f"sync_s: {sync_s:.2f} (median; runs {runs(sync_runs)} s)")
     print(f"sync_throughput_mb_s: {sync_tp:.1f} (ratio {ratio:.2f} vs bare rsync {bare_tp:.1f} MB/s; "
           f"target >= {args.min_ratio}; includes probe, swap and sha256 verification on each host)")
     print(f"sync_first_resync_s: {first_noop_s:.3f} (re-hashes the {mb / len(hosts):.0f} MB just written on each host)")

@@ -10,16 +10,18 @@ Example:
         --dataset domain_sft_v1_high_signal_thunder --model models/tiny-gemma4 --run stage1
 
 What it does, per host (hosts in parallel, each distinct ssh name once):
-1. probe: one ssh call hashes the host's copy of the code and the dataset (sha256sum or
-   `shasum -a 256`, no Python needed) and says which model files exist.
-2. transfer what differs, with rsync over ssh (argument lists only):
+1. probe: one ssh call hashes the host's copy of the code and the dataset (openssl, sha256sum
+   or `shasum -a 256`, whichever is fastest there; no Python needed), says which model files
+   exist, and creates REMOTE_ROOT and datasets/ after refusing a REMOTE_ROOT that is $HOME.
+2. transfer what differs, with rsync over ssh (argument lists only), all at once:
    - code (bin/ lib/ configs/ Makefile requirements.lock) into REMOTE_ROOT; never deletes;
    - the dataset into REMOTE_ROOT/datasets/.<NAME>.incoming (rsync --link-dest against the
-     current copy, so unchanged files are hard links, not bytes), then swapped into place by
-     rename: a host never sees a half-synced dataset under its final name;
+     current copy, so unchanged files are hard links, not bytes);
    - the model when --sync-model is given or a file of it is missing on the host.
-3. verify: probe again; every file must hash to the local manifest's value, else the host
-   and file are named and the exit code is 1.
+3. verify and swap: one ssh call hashes everything that was sent; the staging dataset is
+   renamed into place only if every file of it matches the local manifest, so a host never
+   sees a half-synced or bad dataset under its final name. A mismatch names the host and the
+   file, and the exit code is 1.
 A re-sync with nothing changed is one probe per host and transfers nothing. When a host is
 127.0.0.1 and REMOTE_ROOT is this repo (the embedded default), the destination is the source:
 sync only verifies the local copy. Writes runs/<RUN>/sync.json.
@@ -53,36 +55,59 @@ CODE = ["bin", "lib", "configs", "Makefile", "requirements.lock"]
 PROBE_TIMEOUT = 60
 RSYNC_TIMEOUT = 3600
 
-# The probe. $1 = root; [--read-only]; then groups "--hash f..." and "--exists f...". Prints `HOME <dir>`,
-# then `<sha256>  <size:mtime:ctime:inode>  <path>`, `MISSING  <path>` or `EXISTS  <path>` per file. It changes
-# nothing but its hash cache (REMOTE_ROOT/.thunder-sync-hashes: sha256 by size, mtime, ctime
-# and inode, like git's index; a write always changes ctime, and entries younger than 2 s
-# are not kept, so a cached hash is never stale). The script is a constant; every value
-# reaches it as a positional argument.
+# Choose the fastest sha256 a host has, proven on empty input before it is trusted: `openssl dgst`
+# uses the CPU's SHA instructions (3x coreutils' sha256sum here), then sha256sum, then macOS's
+# `shasum -a 256`. Every tool prints the hex digest first. Files are passed as ./path, so no
+# name can be read as an option by any of them.
+PICK_HASH_SH = r"""
+h=
+for c in "openssl dgst -sha256 -r" sha256sum "shasum -a 256"; do
+  s=$($c </dev/null 2>/dev/null) || continue
+  case "$s" in e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855*) h=$c; break;; esac
+done
+if [ -z "$h" ]; then echo "no working sha256 tool (openssl, sha256sum or shasum) on this host" >&2; exit 3; fi
+"""
+
+# The probe. $1 = root; $2 = ro (change nothing) or rw (create root and the folders of the
+# --mkdir group, after refusing a root that is this host's $HOME); then groups
+# "--mkdir d...", "--hash f..." and "--exists f...". Prints `HOME <dir>`, then
+# `<sha256>  <size:mtime:ctime:inode>  <path>`, `MISSING  <path>` or `EXISTS  <path>` per
+# file. Beyond those folders it changes only its hash cache (REMOTE_ROOT/.thunder-sync-hashes:
+# sha256 by size, mtime, ctime and inode, like git's index; a write always changes ctime, and
+# entries younger than 2 s are not kept, so a cached hash is never stale). The script is a
+# constant; every value reaches it as a positional argument.
 PROBE_SH = r"""
-root=$1; shift
-ro=; if [ "${1-}" = --read-only ]; then ro=1; shift; fi
+root=$1; rw=$2; shift 2
 printf 'HOME %s\n' "$HOME"
+if [ "$rw" = rw ]; then
+  case "$root" in "$HOME"|"${HOME%/}") echo HOMEROOT; exit 0;; esac
+  mkdir -p -- "$root" || exit 3
+fi
 if [ ! -d "$root" ]; then echo NOROOT; exit 0; fi
 cd "$root" || exit 3
-if command -v sha256sum >/dev/null 2>&1; then h=sha256sum; else h="shasum -a 256"; fi
+""" + PICK_HASH_SH + r"""
 if stat -c %s . >/dev/null 2>&1; then fmt="-c %s:%Y:%Z:%i"; else fmt="-f %z:%m:%c:%i"; fi
 cache=.thunder-sync-hashes
 now=$(date +%s)
 new=/dev/null
-[ -n "$ro" ] || new=$(mktemp "$root/.thunder-sync-hashes.XXXXXX" 2>/dev/null) || new=/dev/null
+[ "$rw" != rw ] || new=$(mktemp "$root/.thunder-sync-hashes.XXXXXX" 2>/dev/null) || new=/dev/null
 mode=hash
 for f in "$@"; do
   case "$f" in
+    --mkdir) mode=mkdir; continue;;
     --hash) mode=hash; continue;;
     --exists) mode=exists; continue;;
   esac
+  if [ "$mode" = mkdir ]; then
+    [ "$rw" != rw ] || mkdir -p -- "./$f" || exit 3
+    continue
+  fi
   if [ ! -f "$f" ]; then printf 'MISSING  %s\n' "$f"; continue; fi
   if [ "$mode" = exists ]; then printf 'EXISTS  %s\n' "$f"; continue; fi
   key=$(stat $fmt -- "$f") || exit 3
   sum=$(awk -v k="$key" -v p="$f" '$2 == k && $3 == p { print $1; exit }' "$cache" 2>/dev/null)
   if [ -z "$sum" ]; then
-    sum=$($h -- "$f") || exit 3
+    sum=$($h "./$f") || exit 3
     sum=${sum%% *}
   fi
   printf '%s  %s  %s\n' "$sum" "$key" "$f"
@@ -92,28 +117,58 @@ done
 if [ "$new" != /dev/null ]; then mv -f "$new" "$cache" 2>/dev/null || rm -f "$new"; fi
 """
 
-# Verify a fully transferred staging folder, then swap it into place: $1 = parent, $2 = name,
-# $3 = staging name, $4 = aside name, then pairs `<sha256> <file>` that every file of the
-# staging copy must hash to. A mismatch prints `MISMATCH <file> <got>` and exits 4 with the
-# old copy still live. If an earlier swap was cut between its two renames, the aside copy is
-# put back first.
+# After the transfers, one call per host: hash what was sent, then swap the dataset's staging
+# folder into place. $1 = root; $2 = the dataset's folder relative to root (datasets/NAME), or
+# - when no dataset was sent; then pairs `<sha256> <path>` (relative to root; the dataset's
+# files as datasets/.NAME.incoming/<file>). A mismatch prints `MISMATCH <path> <got>` and the
+# exit code is 4; the staging folder is swapped in only when every one of its files matched,
+# so a bad copy never goes live (code and model mismatches are reported the same way). If an
+# earlier swap was cut between its two renames, the aside copy is put back first.
 VERIFY_SWAP_SH = r"""
 set -e
-cd "$1"; name=$2; staging=$3; aside=$4; shift 4
-if command -v sha256sum >/dev/null 2>&1; then h=sha256sum; else h="shasum -a 256"; fi
-bad=
-while [ $# -ge 2 ]; do
-  want=$1; f=$2; shift 2
-  if [ ! -f "$staging/$f" ]; then echo "MISMATCH $f missing"; bad=1; continue; fi
-  got=$($h -- "$staging/$f"); got=${got%% *}
-  if [ "$got" != "$want" ]; then echo "MISMATCH $f $got"; bad=1; fi
+root=$1; swap=$2; shift 2
+cd "$root"
+""" + PICK_HASH_SH + r"""
+staging=//none; if [ "$swap" != - ]; then parent=${swap%/*}; name=${swap##*/}; staging="$parent/.$name.incoming"; fi
+bad=; badstage=
+mismatch() {
+  echo "MISMATCH $1 $2"; bad=1
+  case "$1" in "$staging"/*) badstage=1;; esac
+}
+# Missing files first; the pairs of the files that exist stay in "$@".
+want=
+for a; do
+  shift
+  if [ -z "$want" ]; then want=$a; continue; fi
+  if [ -f "$a" ]; then set -- "$@" "$want" "$a"; else mismatch "$a" missing; fi
+  want=
 done
+# One hash call for all of them (a process per file costs more than hashing small files).
+hash_all() {
+  odd=
+  for a; do shift; if [ -n "$odd" ]; then set -- "$@" "./$a"; odd=; else odd=1; fi; done
+  [ $# -eq 0 ] || $h "$@"
+}
+out=$(hash_all "$@")
+while IFS= read -r line; do
+  [ -n "$line" ] || continue
+  want=$1; f=$2; shift 2
+  got=${line%% *}
+  if [ "$got" != "$want" ]; then mismatch "$f" "$got"; fi
+done <<EOF
+$out
+EOF
+if [ $# -ne 0 ]; then echo "the hash tool printed fewer lines than files" >&2; exit 3; fi
+if [ "$swap" != - ] && [ -z "$badstage" ]; then
+  cd "$parent"
+  if [ ! -e "$name" ] && [ -d ".$name.previous" ]; then mv ".$name.previous" "$name"; fi
+  rm -rf ".$name.previous"
+  if [ -e "$name" ]; then mv "$name" ".$name.previous"; fi
+  mv ".$name.incoming" "$name"
+  rm -rf ".$name.previous"
+  echo SWAPPED
+fi
 if [ -n "$bad" ]; then exit 4; fi
-if [ ! -e "$name" ] && [ -d "$aside" ]; then mv "$aside" "$name"; fi
-rm -rf "$aside"
-if [ -e "$name" ]; then mv "$name" "$aside"; fi
-mv "$staging" "$name"
-rm -rf "$aside"
 """
 
 HOME_RE = re.compile(r"^/(root|var/root|home/[^/]+|Users/[^/]+)/?$")
@@ -186,8 +241,8 @@ sha256_file = CACHE.sha256
 
 def load_manifest(dataset: str) -> dict[str, str]:
     """Expected sha256 of every dataset file from the local manifest, plus the manifest itself.
-    The local files are checked against it by verify_local (a local mismatch is never swapped
-    into place on a host)."""
+    Each host's staging copy must hash to these before it is swapped in, so a local copy that
+    no longer matches its manifest never goes live anywhere (verify_local then names it)."""
     ddir = paths.DATASETS / dataset
     mpath = ddir / "manifest.json"
     if not mpath.is_file():
@@ -203,12 +258,13 @@ def load_manifest(dataset: str) -> dict[str, str]:
 
 
 def verify_local(expected: dict[str, str]) -> None:
-    """Raise when a local dataset file does not hash to its manifest value."""
+    """Raise when a local dataset file does not hash to its manifest value. Run only when a
+    host's copy failed verification, to tell a damaged local copy from a bad transfer."""
     for rel, want in expected.items():
         got = sha256_file(paths.ROOT / rel) if (paths.ROOT / rel).is_file() else "MISSING"
         if got != want:
-            raise RunbookError(f"local {rel} does not match its manifest ({got[:12]} != {want[:12]}); "
-                               "re-run make export", "export")
+            raise RunbookError(f"local {rel} does not match its manifest ({got[:12]} != {want[:12]}), so no "
+                               "host's dataset was replaced with it; re-run make export", "export")
 
 
 class ModelHashes:
@@ -228,9 +284,9 @@ class ModelHashes:
 
 
 def probe(host: str, local: bool, root: str, hash_files: list[str], exist_files: list[str],
-          read_only: bool = False) -> dict:
-    argv = ["sh", "-c", PROBE_SH, "sh", root, *(["--read-only"] if read_only else []),
-            "--hash", *hash_files, "--exists", *exist_files]
+          mkdirs: list[str] = (), read_only: bool = False) -> dict:
+    argv = ["sh", "-c", PROBE_SH, "sh", root, "ro" if read_only else "rw",
+            "--mkdir", *mkdirs, "--hash", *hash_files, "--exists", *exist_files]
     r = run_on(host, argv, timeout=PROBE_TIMEOUT, local=local)
     if not r.ok:
         raise RunbookError(f"{host}: probe failed (exit {r.returncode}): {r.stderr.strip()[:400]}", "sync-ssh")
@@ -238,6 +294,9 @@ def probe(host: str, local: bool, root: str, hash_files: list[str], exist_files:
     for line in r.stdout.splitlines():
         if line.startswith("HOME "):
             out["home"] = line[5:].strip()
+        elif line == "HOMEROOT":
+            raise RunbookError(f"{host}: REMOTE_ROOT {root} is that host's home directory itself; "
+                               "use a folder inside it", "sync-refused")
         elif line == "NOROOT":
             out["noroot"] = True
         elif line.startswith("MISSING  "):
@@ -285,67 +344,51 @@ def sync_host(host: str, args, plan: dict) -> dict:
     t0 = time.monotonic()
     if local and Path(root) == paths.ROOT:
         # The embedded default: the destination is this repo. Nothing to copy; verify it.
-        plan["local_ok"].result()
         bad = {f: h for f, h in plan["expected"].items() if sha256_file(paths.ROOT / f) != h}
         rec.update(actions=["none: destination is the source"], verified=not bad,
                    mismatches=sorted(bad), wall_s=round(time.monotonic() - t0, 3))
         return rec
 
     dest = root if local else f"{host}:{root}"
+    name = args.dataset
+    final_rel, staging_rel = f"datasets/{name}", f"datasets/.{name}.incoming"
+    mrel = plan["model_rel"]
     hash_files = sorted(plan["code"]) + sorted(plan["expected"])
-    before = probe(host, local, root, hash_files, plan["model_files"], read_only=args.dry_run)
+    # The probe also creates REMOTE_ROOT and the folders the transfers land in (not on a dry
+    # run), after refusing a REMOTE_ROOT that is the host's $HOME: no separate mkdir round trip.
+    mkdirs = ["datasets", *([os.path.dirname(mrel)] if mrel and os.path.dirname(mrel) else [])]
+    before = probe(host, local, root, hash_files, plan["model_files"], mkdirs, read_only=args.dry_run)
     if before["home"] and os.path.normpath(before["home"]) == root:
         raise RunbookError(f"{host}: REMOTE_ROOT {root} is that host's home directory itself", "sync-refused")
 
     code_diff = [f for f, h in plan["code"].items() if before["hash"].get(f) != h]
     data_diff = [f for f, h in plan["expected"].items() if before["hash"].get(f) != h]
-    model_missing = [f for f in plan["model_files"] if f in before["missing"]] if plan["model_rel"] else []
-    do_model = bool(plan["model_rel"]) and (args.sync_model or bool(model_missing) or before["noroot"])
+    model_missing = [f for f in plan["model_files"] if f in before["missing"]] if mrel else []
+    do_model = bool(mrel) and (args.sync_model or bool(model_missing) or before["noroot"])
     rec["before"] = {"code_differs": code_diff, "dataset_differs": data_diff, "model_missing": model_missing}
-
-    if (code_diff or data_diff or do_model) and not args.dry_run:
-        mk = run_on(host, ["mkdir", "-p", "--", root, inside(root, "datasets")], local=local, timeout=PROBE_TIMEOUT)
-        if not mk.ok:
-            raise RunbookError(f"{host}: cannot create {root}: {mk.stderr.strip()}", "sync-ssh")
 
     def send_code():
         return "code", *rsync(["--checksum", "-R", "--exclude=__pycache__", "--exclude=*.pyc",
                                "--exclude=.*", *CODE, f"{dest}/"], args.dry_run, args.bwlimit)[:2]
 
     def send_dataset():
-        name = args.dataset
-        parent = inside(root, "datasets")
-        final = inside(root, f"datasets/{name}")
-        staging, aside = f".{name}.incoming", f".{name}.previous"
         src = f"datasets/{name}/"
         if args.dry_run:
             return "dataset", *rsync(["--checksum", "--delete", f"--max-delete={args.max_delete}", src,
-                                      f"{dest}/datasets/{name}/"], True, args.bwlimit)[:2]
-        target = f"{host + ':' if not local else ''}{parent}/{staging}/"
-        # rsync's quick check (size and mtime) decides what --link-dest hard-links. It can only
-        # be fooled by a file that differs in content but not in size and mtime (to the
-        # second); only then pay a --checksum pass over every file.
+                                      f"{dest}/{final_rel}/"], True, args.bwlimit)[:2]
+        # Into the staging folder; unchanged files are hard links to the live copy. rsync's
+        # quick check (size and mtime) decides what --link-dest links. It can only be fooled by
+        # a file that differs in content but not in size and mtime (to the second); only then
+        # pay a --checksum pass over every file.
         fooled = [f for f in data_diff if f in before["stat"]
                   and quick_key(paths.ROOT / f) == before["stat"][f].split(":")[:2]]
         rec["checksum_pass"] = bool(fooled)
         sent, changes, _ = rsync([*(["--checksum"] if fooled else []), "--delete",
-                                  f"--max-delete={args.max_delete}", f"--link-dest={final}", src, target],
-                                 False, args.bwlimit)
-        plan["local_ok"].result()  # raises when the local copy does not match its manifest
-        pairs = [x for f, h in sorted(plan["expected"].items()) for x in (h, f.rsplit("/", 1)[1])]
-        sw = run_on(host, ["sh", "-c", VERIFY_SWAP_SH, "sh", parent, name, staging, aside, *pairs],
-                    local=local, timeout=RSYNC_TIMEOUT)
-        bad = [ln.split()[1] for ln in sw.stdout.splitlines() if ln.startswith("MISMATCH ")]
-        if bad:
-            rec["dataset_mismatches"] = [f"datasets/{name}/{b}" for b in bad]
-        elif not sw.ok:
-            raise RunbookError(f"{host}: could not swap {staging} into {final}: {sw.stderr.strip()}", "sync-ssh")
+                                  f"--max-delete={args.max_delete}", f"--link-dest={inside(root, final_rel)}",
+                                  src, f"{dest}/{staging_rel}/"], False, args.bwlimit)
         return "dataset", sent, changes
 
     def send_model():
-        mrel = plan["model_rel"]
-        if not args.dry_run:
-            run_on(host, ["mkdir", "-p", "--", inside(root, mrel)], local=local, timeout=PROBE_TIMEOUT)
         return "model", *rsync(["--delay-updates", f"{mrel}/", f"{dest}/{mrel}/"], args.dry_run, args.bwlimit)[:2]
 
     # Code, dataset and model travel at once (each its own rsync over the host's one connection).
@@ -356,29 +399,38 @@ def sync_host(host: str, args, plan: dict) -> dict:
             rec["changes"] += [f"{kind} {c}" for c in changes]
             rec["actions"].append(kind)
 
-    plan["local_ok"].result()
     if args.dry_run:
         rec["verified"] = None
         rec["wall_s"] = round(time.monotonic() - t0, 3)
         return rec
 
-    # Verify: the dataset was hashed in its staging folder before the swap; code and model are
-    # hashed again when they were sent. Untouched files stand on the first probe.
-    got = dict(before["hash"])
-    missing = set(before["missing"])
-    if code_diff or do_model:
-        vhash = sorted(plan["code"]) + (sorted(plan["model_files"]) if do_model else [])
-        after = probe(host, local, root, vhash, plan["model_files"])
-        got.update(after["hash"])
-        missing = set(after["missing"])
-    if data_diff:
-        got.update(plan["expected"])
-        for f in rec.get("dataset_mismatches", []):
-            got[f] = "mismatch"
+    # Verify, not trust: one call hashes on the host everything that was sent (the dataset in
+    # its staging folder) and swaps the dataset in only if all of its files match. Files that
+    # were not sent stand on the probe's hashes.
     want = dict(plan["code"], **plan["expected"], **(plan["model_hashes"].get() if do_model else {}))
-    bad = sorted(f for f, h in want.items() if got.get(f) != h)
-    missing_model = sorted(f for f in plan["model_files"] if f in missing) if plan["model_rel"] else []
-    rec.update(verified=not bad and not missing_model, mismatches=bad + missing_model,
+    sent_files = ([*plan["code"]] if code_diff else []) + (plan["model_files"] if do_model else [])
+    pairs = [x for f in sent_files for x in (want[f], f)]
+    to_final = {}
+    if data_diff:
+        for f in plan["expected"]:
+            staged = f"{staging_rel}/{f.rsplit('/', 1)[1]}"
+            to_final[staged] = f
+            pairs += [want[f], staged]
+    got = dict(before["hash"])
+    if pairs:
+        sw = run_on(host, ["sh", "-c", VERIFY_SWAP_SH, "sh", root, final_rel if data_diff else "-", *pairs],
+                    local=local, timeout=RSYNC_TIMEOUT)
+        bad = {to_final.get(p, p) for p in (ln.split()[1] for ln in sw.stdout.splitlines()
+                                             if ln.startswith("MISMATCH "))}
+        if not sw.ok and not bad:
+            raise RunbookError(f"{host}: verify/swap failed (exit {sw.returncode}): {sw.stderr.strip()[:400]}",
+                               "sync-ssh")
+        if data_diff and not bad & set(plan["expected"]) and "SWAPPED" not in sw.stdout.split():
+            raise RunbookError(f"{host}: {staging_rel} verified but was not swapped into {final_rel}", "sync-ssh")
+        got.update({f: want[f] for f in [*sent_files, *to_final.values()] if f not in bad})
+        got.update({f: "mismatch" for f in bad})
+    mismatches = sorted(f for f, h in want.items() if got.get(f) != h)
+    rec.update(verified=not mismatches, mismatches=mismatches,
                wall_s=round(time.monotonic() - t0, 3))
     return rec
 
@@ -402,11 +454,7 @@ def main() -> int:
     except RunbookError as e:
         return die(e, 2)
 
-    # The local copy is hashed while the hosts are probed and sent to; every host waits for
-    # the verdict before it swaps anything into place.
-    local_check = ThreadPoolExecutor(max_workers=1)
-    plan = {"local_ok": local_check.submit(verify_local, expected)}
-    plan |= {"root": root, "code": code, "expected": expected, "model_rel": mrel,
+    plan = {"root": root, "code": code, "expected": expected, "model_rel": mrel,
             "model_files": model_files, "model_hashes": ModelHashes(model_files)}
     hosts = hf.unique_ssh()
 
@@ -430,10 +478,20 @@ def main() -> int:
         close_masters(hosts)
         os.environ.pop(CONTROL_ENV, None)
         shutil.rmtree(ctl, ignore_errors=True)
-    local_check.shutdown()
     CACHE.save()
 
+    # A host whose copy of the dataset failed verification: is the local copy itself damaged?
+    local_bad = None
+    if any(set(r.get("mismatches", [])) & set(expected) for r in results.values()):
+        try:
+            verify_local(expected)
+        except RunbookError as e:
+            local_bad = str(e)
+
     code_rc = 0
+    if local_bad:
+        print(f"error: {local_bad}", file=sys.stderr)
+        code_rc = 1
     for h in hosts:
         if h in errors:
             event("sync", host=h, status="error")
@@ -448,6 +506,8 @@ def main() -> int:
               bytes=r["transferred_bytes"], wall_s=r["wall_s"])
         if r["verified"] is False:
             for f in r["mismatches"]:
+                if local_bad and f in expected:
+                    continue
                 print(f"error: {h}: {f} does not match the local copy after sync; "
                       f"check the host's disk (df -h {root}) and re-run make sync; "
                       "see RUNBOOK.md#sync-verify", file=sys.stderr)
@@ -460,6 +520,7 @@ def main() -> int:
         "model": args.model,
         "dry_run": args.dry_run,
         "hosts": [results.get(h, {"host": h, "error": errors.get(h)}) for h in hosts],
+        "local_dataset_error": local_bad,
         "ok": code_rc == 0,
         "wall_s": round(time.time() - t0, 3),
         "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

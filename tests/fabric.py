@@ -22,6 +22,12 @@ How a host is built (root only; nothing is mounted in the root namespace):
     of runs/fabric/hosts/fabN/root, /run is a private tmpfs (sshd's privilege
     separation dir lives there), the hostname is fabN. The rest of the machine's
     filesystem (/usr, the venv, the checkout) stays visible and unmodified.
+  - the login user's shell profile is the host's own: runs/fabric/hosts/fabN/bashrc
+    (empty) is bind-mounted over ~/.bashrc, which Debian's bash runs for every ssh
+    command. A compute Mac's zsh runs no profile of this machine's; without this,
+    every ssh command on the fabric paid for this machine's profile (pyenv init:
+    about 0.1 s of CPU each). The rest of the home stays shared (the venv's
+    interpreter may live there).
   - a veth pair joins the host (`eth0`, 10.213.7.(10+N)/24 by default) to a
     bridge in the root namespace (10.213.7.1, the orchestrator, "Mac1"). The
     hosts get no default route and ip_forward is not touched: nothing routes
@@ -97,9 +103,11 @@ TOOLS = {"ip": "iproute2", "unshare": "util-linux", "nsenter": "util-linux", "se
          "mount": "mount", "umount": "mount", "ssh": "openssh-client",
          "ssh-keygen": "openssh-client", "rsync": "rsync"}
 
-# The anchor: $1 backing dir, $2 REMOTE_ROOT, $3 hostname, $4 pid file (no values in the script text).
+# The anchor: $1 backing dir, $2 REMOTE_ROOT, $3 hostname, $4 pid file, $5 the host's own shell
+# profile (or -), $6 the login user's ~/.bashrc to mount it over (no values in the script text).
 ANCHOR_SH = r"""set -e
 mount --bind "$1" "$2"
+if [ "$5" != - ]; then mount --bind "$5" "$6"; fi
 mount -t tmpfs -o size=1m,mode=0755 thunder-fabric-run /run
 mkdir -m 0755 /run/sshd
 printf '%s\n' "$3" > /proc/sys/kernel/hostname
@@ -682,15 +690,19 @@ def _build(sp: Spec, st: dict, net: ipaddress.IPv4Network) -> dict:
     rr.mkdir()
     keygens = [subprocess.Popen(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "thunder-fabric client",
                                  "-f", str(sp.dir / "id_ed25519")], stdin=subprocess.DEVNULL)]
+    rc = login_bashrc()
     for h in st["hosts"]:
         hd = host_dir(sp, h["name"])
         (hd / "root").mkdir(parents=True)
+        if rc:
+            write_text(hd / "bashrc", f"# {h['name']}'s own ~/.bashrc (thunder-fabric): empty, as on a fresh host\n")
         keygens.append(subprocess.Popen(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C",
                                          f"thunder-fabric {h['name']}", "-f", str(hd / "ssh_host_ed25519_key")],
                                         stdin=subprocess.DEVNULL))
         spawn_detached(["unshare", "--net", "--mount", "--uts", "--propagation", "private", "--",
                         "sh", "-c", ANCHOR_SH, "fabric-anchor", str(hd / "root"), str(rr), h["name"],
-                        str(hd / "anchor.pid")], hd / "anchor.log")
+                        str(hd / "anchor.pid"), str(hd / "bashrc") if rc else "-", rc or "-"],
+                       hd / "anchor.log")
     for h in st["hosts"]:
         hd = host_dir(sp, h["name"])
         pid = wait_for(f"{h['name']}'s namespaces (anchor)", lambda hd=hd: read_pidfile(hd / "anchor.pid"),
@@ -732,6 +744,14 @@ def _build(sp: Spec, st: dict, net: ipaddress.IPv4Network) -> dict:
     st["phase"] = "up"
     save_state(sp, st)
     return st
+
+
+def login_bashrc() -> str | None:
+    """root's ~/.bashrc (the fabric logs in as root) when it is a regular file, else None."""
+    import pwd
+
+    rc = os.path.join(pwd.getpwuid(0).pw_dir, ".bashrc")
+    return rc if os.path.isfile(rc) and not os.path.islink(rc) else None
 
 
 def start_sshd_process(h: dict, hd: Path) -> None:

@@ -153,3 +153,66 @@ def test_interrupted_sync_keeps_previous_good_copy(tmp_path, request):
     out = sync(remote_root=dst, dataset=name, check=True)
     assert "status verified" in out.stdout
     assert sha256_file(dst / "datasets" / name / "train.jsonl") == sha256_file(ROOT / "datasets" / name / "train.jsonl")
+
+
+def test_damaged_local_copy_never_goes_live(dataset, tmp_path):
+    """The hosts verify against the manifest, so a local file changed after export is caught
+    there: it never goes live, and the error names the local file and the fix. A host that
+    already holds the manifest's bytes is left as it is."""
+    good = tmp_path / "good"
+    sync(remote_root=good, dataset=dataset, check=True)
+    before = {f.name: sha256_file(f) for f in (good / "datasets" / dataset).iterdir()}
+    local = ROOT / "datasets" / dataset / "valid.jsonl"
+    local.write_text(local.read_text() + '{"messages": []}\n')  # no longer what the manifest says
+    fresh = tmp_path / "fresh"
+    p = sync(remote_root=fresh, dataset=dataset)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert f"local datasets/{dataset}/valid.jsonl does not match its manifest" in p.stderr
+    assert "re-run make export" in p.stderr and "RUNBOOK.md#export" in p.stderr
+    assert "status MISMATCH" in p.stdout
+    assert not (fresh / "datasets" / dataset).exists(), "a copy that fails its manifest went live"
+    p = sync(remote_root=good, dataset=dataset, check=True)
+    assert "status verified actions none bytes 0" in p.stdout
+    assert {f.name: sha256_file(f) for f in (good / "datasets" / dataset).iterdir()} == before
+
+
+def _tool_dir(tmp_path: Path, tools: dict[str, str]) -> dict:
+    """A PATH whose first folder holds the given scripts (name -> body)."""
+    bindir = tmp_path / "tools"
+    bindir.mkdir()
+    for name, body in tools.items():
+        (bindir / name).write_text("#!/bin/sh\n" + body)
+        (bindir / name).chmod(0o755)
+    return dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}")
+
+
+def test_a_lying_hash_tool_is_not_trusted(dataset, tmp_path):
+    """Each host's hash tool is proven on empty input first: an openssl that prints a wrong
+    digest is passed over for the next tool, and the sync still verifies correctly."""
+    env = _tool_dir(tmp_path, {"openssl": "echo 0000000000000000000000000000000000000000000000000000000000000000 '*stdin'\n"})
+    dst = tmp_path / "remote"
+    p = sync(remote_root=dst, dataset=dataset, env=env, check=True)
+    assert "status verified" in p.stdout
+    assert sha256_file(dst / "datasets" / dataset / "train.jsonl") == sha256_file(ROOT / "datasets" / dataset / "train.jsonl")
+
+
+def test_no_working_hash_tool_is_a_clear_error(dataset, tmp_path):
+    broken = "exit 1\n"
+    env = _tool_dir(tmp_path, {"openssl": broken, "sha256sum": broken, "shasum": broken})
+    dst = tmp_path / "remote"
+    p = sync(remote_root=dst, dataset=dataset, env=env)
+    assert p.returncode == 1
+    assert "no working sha256 tool (openssl, sha256sum or shasum) on this host" in p.stderr
+    assert not (dst / "datasets" / dataset).exists()
+
+
+def test_remote_root_that_is_the_hosts_home_is_refused_before_any_write(dataset, tmp_path):
+    """The host's own $HOME (which the local refusal cannot know) is refused by the probe
+    before it creates anything there."""
+    home = tmp_path / "home-of-host"
+    home.mkdir()
+    # The "host" is this machine, but its shell sees another $HOME than sync.py does.
+    env = _tool_dir(tmp_path, {"sh": f'HOME={home} exec /bin/sh "$@"\n'})
+    p = sync(remote_root=home, dataset=dataset, env=env)
+    assert p.returncode == 1 and "home directory itself" in p.stderr, p.stderr
+    assert list(home.iterdir()) == [], "something was written into the home directory"
