@@ -214,10 +214,10 @@ def test_a_failing_probe_exits_1_names_the_host_and_writes_nothing(tmp_path, mod
 def test_make_calibrate_on_two_fabric_hosts(fabric, model, tmp_path):
     """make calibrate (sync, check-parity, calibrate) on fab1+fab2 over the ring backend; all_sum
     up to 16 MiB. Its large-message bus bandwidth is within a factor of 3 of a bare TCP transfer
-    of the same bytes between the same two hosts in the same run: both directions at once, each
-    landing in fresh memory, as a 2-rank ring all_sum's output does (on this VM a page fault costs
-    microseconds, and an all_sum's new output array faults in every page). The one-direction and
-    reused-buffer figures are printed too (4-7x here, under load: see RUNBOOK.md#calibrate)."""
+    of the same bytes between the same two hosts in the same run: both directions at once, as a
+    2-rank ring all_sum moves them. The one-direction figure is printed too (the fabric's hosts
+    share this machine's cores, so one direction alone runs well above each direction of a
+    two-way exchange: see RUNBOOK.md#calibrate)."""
     hf = fabric.hostfile(2)
     out = tmp_path / "cal"
     args = ["--budget-s 10 --max-batch 2 --steps 1 --max-bytes 16777216 --tcp-reps 5 --grad-reps 3",
@@ -251,8 +251,14 @@ def test_make_calibrate_on_two_fabric_hosts(fabric, model, tmp_path):
           f"TCP one direction {v['tcp_one_direction_gbps']:.3f} GB/s (x{v['tcp_over_allsum']:.2f}), both "
           f"{v['tcp_both_directions_gbps']:.3f} GB/s (x{v['tcp_both_over_allsum']:.2f}), both into fresh memory "
           f"{v['tcp_both_directions_fresh_gbps']:.3f} GB/s (x{v['tcp_fresh_over_allsum']:.2f})")
-    assert v["tcp_fresh_over_allsum"] <= 3.0, v
-    assert v["allsum_busbw_best_gbps"] <= 3 * v["tcp_one_direction_gbps"]  # the wire bounds the collective
+    # Within 3x of the bare TCP transfer that moves the same bytes the same way (both directions
+    # at once), and never faster than the wire allows.
+    assert v["baseline"] == "tcp_both_directions_gbps" and v["tcp_both_over_allsum"] <= 3.0, v
+    assert v["allsum_busbw_best_gbps"] <= 3 * v["tcp_one_direction_gbps"]
+    # glibc: the curve reuses freed memory (as Metal does); the largest size was also timed without.
+    alloc = link["allocator"]
+    assert alloc["reuse_freed"] is True and "mallopt" in alloc["how"]
+    assert alloc["largest_into_fresh_memory"]["bytes"] == sizes[-1] and alloc["largest_into_fresh_memory"]["min_s"] > 0
     assert doc["expected_speedup"] > 0 and doc["compute_bound_speedup"] >= doc["expected_speedup"]
     assert 0 <= doc["link_share"] < 1
     assert doc["recommendation"]["per_rank_batch"] * doc["recommendation"]["grad_accumulation_steps"] * 2 == 6

@@ -147,6 +147,21 @@ def test_each_host_has_its_own_address_name_route_and_remote_root(fabric):
     assert (fabric.backing_dir("fab1") / marker).read_text() == "fab1\n"
 
 
+def test_each_host_runs_its_own_empty_shell_profile(fabric):
+    """ssh commands on a host do not run this machine's ~/.bashrc (a Mac's shell would not):
+    the host's own, empty one is mounted over it inside the host only."""
+
+
+    rc = Path(pwd.getpwuid(0).pw_dir) / ".bashrc"
+    if not rc.is_file():
+        pytest.skip("this machine has no ~/.bashrc for root")
+    mine = rc.read_bytes()
+    for name in fabric.hosts:
+        p = fabric.ssh(name, ["cat", str(rc)], check=True)
+        assert p.stdout == f"# {name}'s own ~/.bashrc (thunder-fabric): empty, as on a fresh host\n"
+    assert rc.read_bytes() == mine, "the machine's own ~/.bashrc changed"
+
+
 def test_env_sh_targets_the_fabric_and_leaves_home_ssh_alone(fabric, tmp_path):
     home_ssh = Path(pwd.getpwuid(os.getuid()).pw_dir) / ".ssh"
 
