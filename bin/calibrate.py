@@ -457,13 +457,18 @@ def rank_probe(spec: dict) -> int:
     # also pays 65,536 page faults. Metal's allocator (the Macs) keeps freed buffers for reuse;
     # so that the curve measures the link and not the kernel's page faulting, freed memory is
     # kept for reuse here too (glibc's mallopt), after the largest size is timed once without.
-    out["allocator"] = {"reuse_freed": False}
-    if keep_freed_memory_possible():
+    # Every rank must run the same collectives: whether the extra timing runs is agreed on by
+    # an all_sum, not decided by each rank from its own platform.
+    possible = keep_freed_memory_possible()
+    every = int(mx.distributed.all_sum(mx.array([1.0 if possible else 0.0]), stream=mx.cpu).item()) == size
+    out["allocator"] = {"reuse_freed": False, "how": "the process's default allocator"}
+    if every:
         row = time_allsum(sizes[-1])
-        out["allocator"] = {"reuse_freed": keep_freed_memory(), "how": KEEP_FREED_HOW,
-                            "largest_without": row}
+        out["allocator"]["largest_without"] = row
         say("calibrate-allsum-fresh-memory", bytes=row["bytes"], reps=row["reps"],
             best_ms=round(1e3 * row["min_s"], 4), note="before reuse of freed memory")
+    if possible and keep_freed_memory():  # no collective: a rank may do this alone
+        out["allocator"].update(reuse_freed=True, how=KEEP_FREED_HOW)
     rows = []
     for nbytes in sizes:
         row = time_allsum(nbytes)
@@ -1101,7 +1106,7 @@ def combine_ranks(hf, ranks: dict[int, dict]) -> dict:
            "rank_facts": [ranks[r]["facts"] for r in range(n)]}
     allocs = [ranks[r].get("allocator") or {"reuse_freed": False} for r in range(n)]
     out["allocator"] = {"reuse_freed": all(a["reuse_freed"] for a in allocs),
-                        "how": allocs[0].get("how", "the process's default allocator")}
+                        "how": "; ".join(sorted({a.get("how", "the process's default allocator") for a in allocs}))}
     if all("largest_without" in a for a in allocs):
         w = [a["largest_without"] for a in allocs]
         b, min_s, mean_s = w[0]["bytes"], max(x["min_s"] for x in w), max(x["mean_s"] for x in w)

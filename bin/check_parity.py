@@ -438,8 +438,8 @@ def eval_link(host: str, f: dict, args, fixes: dict) -> list[dict]:
         return out
     dead = {ip: v.get("error") for ip, v in link.items() if v.get("rtt_ms") is None}
     slow = {ip: v["rtt_ms"] for ip, v in link.items() if v.get("rtt_ms") is not None and v["rtt_ms"] > args.rtt_warn_ms}
-    shown = ", ".join(f"{ip} {v['rtt_ms']} ms" if v.get("rtt_ms") is not None else f"{ip} unreachable"
-                      for ip, v in link.items())
+    shown = ", ".join(f"{ip} {v['rtt_ms']} ms (min of {v.get('tries') or 7})" if v.get("rtt_ms") is not None
+                      else f"{ip} unreachable" for ip, v in link.items())
     if dead:
         out.append(check("link.rtt", host, "fail",
                          "peer(s) unreachable: " + "; ".join(f"{ip} ({e})" for ip, e in dead.items()),
@@ -449,8 +449,7 @@ def eval_link(host: str, f: dict, args, fixes: dict) -> list[dict]:
                          f"round trip above {args.rtt_warn_ms:g} ms: {shown} (TCP :{args.link_port})",
                          "the ring may be running over Wi-Fi/Ethernet, not Thunderbolt; see RUNBOOK.md#parity-link"))
     else:
-        n = max((v.get("tries") or 7) for v in link.values())
-        out.append(check("link.rtt", host, "pass", f"{shown} (TCP :{args.link_port}, min of {n})"))
+        out.append(check("link.rtt", host, "pass", f"{shown} (TCP :{args.link_port})"))
     return out
 
 

@@ -252,19 +252,26 @@ def load_manifest(dataset: str) -> dict[str, str]:
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise RunbookError(f"{paths.rel(mpath)} has no 'files' table; re-run make export", "export")
+    for name, meta in files.items():
+        if not paths.is_safe_name(name) or name == "manifest.json" or not isinstance(meta, dict) \
+                or not re.fullmatch(r"[0-9a-f]{64}", str(meta.get("sha256", ""))):
+            raise RunbookError(f"{paths.rel(mpath)}: entry {name!r} is not a plain file name with a sha256; "
+                               "re-run make export", "export")
     expected = {f"datasets/{dataset}/{name}": meta["sha256"] for name, meta in sorted(files.items())}
     expected[f"datasets/{dataset}/manifest.json"] = sha256_file(mpath)
     return expected
 
 
-def verify_local(expected: dict[str, str]) -> None:
-    """Raise when a local dataset file does not hash to its manifest value. Run only when a
-    host's copy failed verification, to tell a damaged local copy from a bad transfer."""
+def verify_local(expected: dict[str, str]) -> dict[str, str]:
+    """{file: error} for every local dataset file that does not hash to its manifest value. Run
+    only when a host's copy failed verification, to tell a damaged local copy from a bad transfer."""
+    bad = {}
     for rel, want in expected.items():
         got = sha256_file(paths.ROOT / rel) if (paths.ROOT / rel).is_file() else "MISSING"
         if got != want:
-            raise RunbookError(f"local {rel} does not match its manifest ({got[:12]} != {want[:12]}), so no "
-                               "host's dataset was replaced with it; re-run make export", "export")
+            bad[rel] = str(RunbookError(f"local {rel} does not match its manifest ({got[:12]} != {want[:12]}), so "
+                                        "no host's dataset was replaced with it; re-run make export", "export"))
+    return bad
 
 
 class ModelHashes:
@@ -330,6 +337,12 @@ def rsync(args: list[str], dry_run: bool, bwlimit: int) -> tuple[int, list[str],
     return sent, changes, p.stderr
 
 
+def mismatched_paths(stdout: str) -> list[str]:
+    """The paths of VERIFY_SWAP_SH's `MISMATCH <path> <got>` lines (a path may hold spaces; the
+    digest, or `missing`, does not)."""
+    return [ln[9:].rsplit(" ", 1)[0] for ln in stdout.splitlines() if ln.startswith("MISMATCH ")]
+
+
 def quick_key(path: Path) -> list[str]:
     """[size, mtime seconds]: what rsync's quick check compares."""
     st = path.stat()
@@ -371,11 +384,14 @@ def sync_host(host: str, args, plan: dict) -> dict:
         return "code", *rsync(["--checksum", "-R", "--exclude=__pycache__", "--exclude=*.pyc",
                                "--exclude=.*", *CODE, f"{dest}/"], args.dry_run, args.bwlimit)[:2]
 
+    # Only the manifest's files (and the manifest) travel: everything that goes live is verified.
+    only = [f"--include=/{f.rsplit('/', 1)[1]}" for f in plan["expected"]] + ["--exclude=*"]
+
     def send_dataset():
         src = f"datasets/{name}/"
         if args.dry_run:
-            return "dataset", *rsync(["--checksum", "--delete", f"--max-delete={args.max_delete}", src,
-                                      f"{dest}/{final_rel}/"], True, args.bwlimit)[:2]
+            return "dataset", *rsync(["--checksum", "--delete", "--delete-excluded", f"--max-delete={args.max_delete}",
+                                      *only, src, f"{dest}/{final_rel}/"], True, args.bwlimit)[:2]
         # Into the staging folder; unchanged files are hard links to the live copy. rsync's
         # quick check (size and mtime) decides what --link-dest links. It can only be fooled by
         # a file that differs in content but not in size and mtime (to the second); only then
@@ -385,7 +401,7 @@ def sync_host(host: str, args, plan: dict) -> dict:
         rec["checksum_pass"] = bool(fooled)
         sent, changes, _ = rsync([*(["--checksum"] if fooled else []), "--delete",
                                   f"--max-delete={args.max_delete}", f"--link-dest={inside(root, final_rel)}",
-                                  src, f"{dest}/{staging_rel}/"], False, args.bwlimit)
+                                  *only, src, f"{dest}/{staging_rel}/"], False, args.bwlimit)
         return "dataset", sent, changes
 
     def send_model():
@@ -420,14 +436,15 @@ def sync_host(host: str, args, plan: dict) -> dict:
     if pairs:
         sw = run_on(host, ["sh", "-c", VERIFY_SWAP_SH, "sh", root, final_rel if data_diff else "-", *pairs],
                     local=local, timeout=RSYNC_TIMEOUT)
-        bad = {to_final.get(p, p) for p in (ln.split()[1] for ln in sw.stdout.splitlines()
-                                             if ln.startswith("MISMATCH "))}
-        if not sw.ok and not bad:
+        bad = {to_final.get(p, p) for p in mismatched_paths(sw.stdout)}
+        if sw.returncode not in (0, 4) or (sw.returncode == 4 and not bad):
             raise RunbookError(f"{host}: verify/swap failed (exit {sw.returncode}): {sw.stderr.strip()[:400]}",
                                "sync-ssh")
-        if data_diff and not bad & set(plan["expected"]) and "SWAPPED" not in sw.stdout.split():
+        swapped = "SWAPPED" in sw.stdout.split()
+        if data_diff and not bad & set(plan["expected"]) and not swapped:
             raise RunbookError(f"{host}: {staging_rel} verified but was not swapped into {final_rel}", "sync-ssh")
-        got.update({f: want[f] for f in [*sent_files, *to_final.values()] if f not in bad})
+        # The live dataset is the new one only if it was swapped in; else the probe's hashes stand.
+        got.update({f: want[f] for f in [*sent_files, *(to_final.values() if swapped else ())] if f not in bad})
         got.update({f: "mismatch" for f in bad})
     mismatches = sorted(f for f, h in want.items() if got.get(f) != h)
     rec.update(verified=not mismatches, mismatches=mismatches,
@@ -449,6 +466,9 @@ def main() -> int:
         model_files = [f for f in iter_files(paths.ROOT, [mrel])] if mrel else []
         for f in list(code) + list(expected) + model_files:
             inside(root, f)
+            if any(c in f for c in "\n\r\\"):
+                raise RunbookError(f"{f!r}: a file name with a newline or backslash cannot be verified on the "
+                                   "hosts; rename it", "sync-refused")
         if args.run:
             paths.check_run_id(args.run)
     except RunbookError as e:
@@ -481,16 +501,13 @@ def main() -> int:
     CACHE.save()
 
     # A host whose copy of the dataset failed verification: is the local copy itself damaged?
-    local_bad = None
+    local_bad: dict[str, str] = {}
     if any(set(r.get("mismatches", [])) & set(expected) for r in results.values()):
-        try:
-            verify_local(expected)
-        except RunbookError as e:
-            local_bad = str(e)
+        local_bad = verify_local(expected)
 
     code_rc = 0
-    if local_bad:
-        print(f"error: {local_bad}", file=sys.stderr)
+    for msg in local_bad.values():
+        print(f"error: {msg}", file=sys.stderr)
         code_rc = 1
     for h in hosts:
         if h in errors:
@@ -506,8 +523,8 @@ def main() -> int:
               bytes=r["transferred_bytes"], wall_s=r["wall_s"])
         if r["verified"] is False:
             for f in r["mismatches"]:
-                if local_bad and f in expected:
-                    continue
+                if f in local_bad:
+                    continue  # named above: the local copy is the culprit
                 print(f"error: {h}: {f} does not match the local copy after sync; "
                       f"check the host's disk (df -h {root}) and re-run make sync; "
                       "see RUNBOOK.md#sync-verify", file=sys.stderr)
@@ -520,7 +537,7 @@ def main() -> int:
         "model": args.model,
         "dry_run": args.dry_run,
         "hosts": [results.get(h, {"host": h, "error": errors.get(h)}) for h in hosts],
-        "local_dataset_error": local_bad,
+        "local_dataset_errors": local_bad,
         "ok": code_rc == 0,
         "wall_s": round(time.time() - t0, 3),
         "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

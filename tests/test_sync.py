@@ -216,3 +216,67 @@ def test_remote_root_that_is_the_hosts_home_is_refused_before_any_write(dataset,
     p = sync(remote_root=home, dataset=dataset, env=env)
     assert p.returncode == 1 and "home directory itself" in p.stderr, p.stderr
     assert list(home.iterdir()) == [], "something was written into the home directory"
+
+
+def _sync_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sync_script", ROOT / "bin" / "sync.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("shell", ["sh", "bash --posix"])
+def test_verify_and_swap_script_names_every_bad_file_and_never_swaps_a_bad_copy(tmp_path, shell):
+    """VERIFY_SWAP_SH on its own (as a host runs it): a wrong file whose name has a space, a
+    missing one and an empty one; the staging copy is swapped in only when all of it matches."""
+    import hashlib
+
+    mod = _sync_module()
+    h = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+    root = tmp_path / "root"
+    (root / "configs").mkdir(parents=True)
+    (root / "configs" / "my run.yaml").write_text("changed\n")
+    staging = root / "datasets" / ".d.incoming"
+    staging.mkdir(parents=True)
+    (staging / "train.jsonl").write_text("new\n")
+    (staging / "rejects.jsonl").write_text("")
+    (root / "datasets" / "d").mkdir()
+    (root / "datasets" / "d" / "train.jsonl").write_text("old\n")
+
+    def run_script(pairs):
+        return subprocess.run([*shell.split(), "-c", mod.VERIFY_SWAP_SH, "sh", str(root), "datasets/d", *pairs],
+                              capture_output=True, text=True)
+
+    good = [h(b"new\n"), "datasets/.d.incoming/train.jsonl", h(b""), "datasets/.d.incoming/rejects.jsonl"]
+    p = run_script([h(b"orig\n"), "configs/my run.yaml", *good, h(b"x"), "datasets/.d.incoming/valid.jsonl"])
+    assert p.returncode == 4, p.stderr
+    assert sorted(mod.mismatched_paths(p.stdout)) == ["configs/my run.yaml", "datasets/.d.incoming/valid.jsonl"]
+    assert (root / "datasets" / "d" / "train.jsonl").read_text() == "old\n", "a staging copy with a bad file went live"
+    # Only a code file is wrong: the dataset is swapped in, and the code file is still named.
+    p = run_script([h(b"orig\n"), "configs/my run.yaml", *good])
+    assert p.returncode == 4 and mod.mismatched_paths(p.stdout) == ["configs/my run.yaml"]
+    assert "SWAPPED" in p.stdout.split() and (root / "datasets" / "d" / "train.jsonl").read_text() == "new\n"
+    assert not staging.exists() and not (root / "datasets" / ".d.previous").exists()
+
+
+def test_only_the_manifest_files_go_live(dataset, tmp_path):
+    """A stray local file in the dataset folder (not in the manifest, so never verified) is not
+    sent; the host's folder holds exactly the manifest's files."""
+    (ROOT / "datasets" / dataset / "notes.txt").write_text("scratch\n")
+    dst = tmp_path / "remote"
+    sync(remote_root=dst, dataset=dataset, check=True)
+    live = sorted(f.name for f in (dst / "datasets" / dataset).iterdir())
+    assert live == ["manifest.json", "rejects.jsonl", "test.jsonl", "train.jsonl", "valid.jsonl"]
+
+
+def test_a_manifest_entry_that_is_not_a_plain_file_is_refused(dataset, rsync_spy):
+    env, marker = rsync_spy
+    mpath = ROOT / "datasets" / dataset / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["files"]["../../lib/x.py"] = {"sha256": "0" * 64, "bytes": 1}
+    mpath.write_text(json.dumps(m))
+    p = sync(remote_root="/srv/thunder", dataset=dataset, env=env)
+    assert p.returncode == 2 and "is not a plain file name with a sha256" in p.stderr and "re-run make export" in p.stderr
+    assert not marker.exists()
