@@ -81,9 +81,15 @@ $(STAMPS):
 tiny-model: models/tiny-$(ARCH)/config.json
 
 # Not on $(LIB): the generator is deterministic and a rebuilt model (new mtime) would show as
-# changed on every host; a change to the generator itself does rebuild it.
-models/tiny-%/config.json: bin/make_tiny_model.py $(VENV)/.stamp
+# changed on every host; a change to the generator itself does rebuild it, and so does
+# another TINY_SEED (its stamp is rewritten only when the seed changes).
+models/tiny-%/config.json: bin/make_tiny_model.py $(VENV)/.stamp $(STAMPS)/tiny-%.seed
 	$(PY) bin/make_tiny_model.py --arch $* --seed $(TINY_SEED) --out models/tiny-$*
+
+.PRECIOUS: $(STAMPS)/tiny-%.seed
+$(STAMPS)/tiny-%.seed: export TINY_SEED_VALUE = $(TINY_SEED)
+$(STAMPS)/tiny-%.seed: FORCE | $(STAMPS)
+	@printf '%s\n' "$$TINY_SEED_VALUE" > $@.tmp; if cmp -s $@.tmp $@; then rm -f $@.tmp; else mv -f $@.tmp $@; fi
 
 ## sample-corpus: write datasets/sample/corpus.jsonl from CPython's pydoc_data.topics
 .PHONY: sample-corpus

@@ -256,3 +256,18 @@ def test_refuses_to_replace_a_folder_it_did_not_make(tmp_path):
 def test_make_target_runs_the_script():
     p = make("-n", "-B", "tiny-model", "ARCH=llama", "TINY_SEED=3")
     assert "bin/make_tiny_model.py --arch llama --seed 3 --out models/tiny-llama" in p.stdout
+
+
+def test_make_rebuilds_on_another_seed_and_only_then():
+    """`make tiny-model TINY_SEED=N` rebuilds a model built with another seed; the same seed
+    again leaves it (and its mtime, which the hosts' copies are checked against) alone."""
+    model = ROOT / "models" / "tiny-llama"
+    make("tiny-model", "ARCH=llama", "TINY_SEED=0")
+    seed0 = file_hashes(model)
+    make("tiny-model", "ARCH=llama", "TINY_SEED=1")
+    assert file_hashes(model)["model.safetensors"] != seed0["model.safetensors"]
+    mtime = (model / "config.json").stat().st_mtime_ns
+    p = make("tiny-model", "ARCH=llama", "TINY_SEED=1")
+    assert "make_tiny_model.py" not in p.stdout and (model / "config.json").stat().st_mtime_ns == mtime
+    make("tiny-model", "ARCH=llama", "TINY_SEED=0")
+    assert file_hashes(model) == seed0
