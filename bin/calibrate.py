@@ -1056,13 +1056,11 @@ def phase_link(args, hf, cfg: dict, probe_id: str, concurrent_batch: int | None)
     port = args.port
     if port is None and all(h.ssh == "127.0.0.1" for h in hf.hosts):
         port = free_ports(hf.size)
-    launcher = str(Path(sys.executable).with_name("mlx.launch"))
-    argv = [launcher, "--hostfile", args.hostfile, "--python", args.python, "--cwd", args.remote_root]
-    if hf.backend:
-        argv += ["--backend", hf.backend]
-    if port:
-        argv += ["--starting-port", str(port)]
-    argv += ["--", "bin/calibrate.py", "--rank-probe", "--probe-id", probe_id, "--spec", json.dumps(spec)]
+    from lib import launch
+
+    argv = launch.launch_argv(args.hostfile, hf, args.python, args.remote_root,
+                              ["--rank-probe", "--probe-id", probe_id, "--spec", json.dumps(spec)], port,
+                              script="bin/calibrate.py")
     event("calibrate-phase", phase="link", world_size=hf.size, backend=hf.backend or "ring",
           concurrent_batch=concurrent_batch or "-", sizes=f"{human_bytes(args.min_bytes)}..{human_bytes(args.max_bytes)}")
     s = Streamed(argv)

@@ -144,9 +144,10 @@ class LaunchResult:
 
 
 def launch_argv(hostfile_path: str, hf: Hostfile, python: str, remote_root: str, trainer_args: list[str],
-                port: int | None = None) -> list[str]:
-    """mlx.launch on every rank, or the trainer directly for a lone host."""
-    train = ["bin/train.py", *trainer_args]
+                port: int | None = None, script: str = "bin/train.py") -> list[str]:
+    """mlx.launch of `script` (the trainer; calibrate's rank probe) on every rank, or the script
+    directly for a lone host."""
+    train = [script, *trainer_args]
     if hf.size == 1:
         host = hf.hosts[0].ssh
         cmd = ["sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", remote_root, python, *train]
