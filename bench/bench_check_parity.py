@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import fabric as fabric_mod  # noqa: E402  (tests/fabric.py)
+from support import copy_code  # noqa: E402  (tests/support.py)
 
 from lib import atomic, parity  # noqa: E402
 
@@ -64,12 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_tree(tree: Path) -> None:
     """A frozen copy of the code, plus a model folder and a dataset, laid out like the repo."""
-    for part in parity.CODE_PARTS:
-        src = ROOT / part
-        if src.is_dir():
-            shutil.copytree(src, tree / part, ignore=shutil.ignore_patterns("__pycache__", ".*"))
-        else:
-            shutil.copy2(src, tree / part)
+    copy_code(tree, ROOT)
     model = tree / "models" / TAG
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"model_type": "gemma4_text", "hidden_size": 256}))

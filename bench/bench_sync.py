@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from lib import atomic  # noqa: E402
-from lib.hashing import digest_of, sha256_file  # noqa: E402
+from support import write_manifest  # noqa: E402  (tests/support.py)
+
 from lib.remote import rsh  # noqa: E402
 
 PY = str(ROOT / ".venv" / "bin" / "python")
@@ -68,10 +68,7 @@ def make_dataset(name: str, mb: int) -> Path:
             for i in range(n):
                 f.write(line.replace('"q ', f'"{i} ', 1))
     (d / "rejects.jsonl").write_text("")
-    files = {n: {"sha256": sha256_file(d / n), "bytes": (d / n).stat().st_size}
-             for n in ("train.jsonl", "valid.jsonl", "test.jsonl", "rejects.jsonl")}
-    atomic.write_json(d / "manifest.json", {"files": files, "dataset_sha256": digest_of(
-        {n: files[n]["sha256"] for n in ("train.jsonl", "valid.jsonl", "test.jsonl")})})
+    write_manifest(d)
     return d
 
 

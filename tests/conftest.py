@@ -28,6 +28,23 @@ def run(cmd, check=True, **kw):
     return p
 
 
+def kill_sync_mid_transfer(argv: list[str], staging: Path, env: dict | None = None, wait_s: float = 20) -> None:
+    """Start a (bandwidth-limited) `bin/sync.py` argv, wait until its transfer has created the
+    staging folder, let it run half a second more, then SIGKILL its whole process group."""
+    import signal
+    import time
+
+    p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         start_new_session=True)
+    deadline = time.time() + wait_s
+    while time.time() < deadline and not staging.exists():
+        time.sleep(0.05)
+    assert staging.exists(), "the transfer never started"
+    time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT

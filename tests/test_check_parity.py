@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PY, ROOT, run
+from support import copy_code
 
 from lib import atomic, hashing, parity, parity_probe
 from lib.hostfile import parse as parse_hostfile
@@ -322,15 +323,6 @@ def test_a_rank_named_for_this_machine_goes_through_ssh(tmp_path):
     assert c["detail"].startswith("sshd not listening"), c
 
 
-def copy_code(dest: Path, root: Path = ROOT) -> None:
-    for part in parity.CODE_PARTS:
-        src = root / part
-        if src.is_dir():
-            shutil.copytree(src, dest / part, ignore=shutil.ignore_patterns("__pycache__", ".*"))
-        else:
-            shutil.copy2(src, dest / part)
-
-
 def test_code_difference_names_the_file(tree, tmp_path):
     rr = tmp_path / "root"
     copy_code(rr, tree)
@@ -382,7 +374,7 @@ def tree(tmp_path_factory):
     run, which would count as a host difference), plus a model and a dataset named TAG; the
     tests run its bin/check_parity.py, so the reference cannot move under them."""
     t = tmp_path_factory.mktemp("tree")
-    copy_code(t)
+    copy_code(t, ROOT)
     shutil.copy2(ROOT / "hostfile.local.json", t / "hostfile.local.json")
     make_model(t / "models" / TAG)
     make_dataset(t / "datasets" / TAG)

@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from conftest import PY, ROOT, make
+from conftest import PY, ROOT, kill_sync_mid_transfer, make
 
 pytestmark = [pytest.mark.fabric, pytest.mark.slow]
 
@@ -105,19 +105,9 @@ def test_sync_killed_mid_transfer_keeps_previous_dataset(fabric_faults, tmp_path
     (ddir / "train.jsonl").write_bytes(b"")
     stale = {f.name: f.read_bytes() for f in ddir.iterdir()}
     hf = fabric.hostfile(hosts)
-    p = subprocess.Popen([PY, "bin/sync.py", "--hostfile", str(hf), "--remote-root", fabric.remote_root,
-                          "--dataset", DATASET, "--bwlimit", "100"], cwd=ROOT, env=fabric.env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    staging = ddir.parent / f".{DATASET}.incoming"
-    deadline = time.time() + 30
-    while time.time() < deadline and not staging.exists():
-        time.sleep(0.05)
-    assert staging.exists(), "the transfer never started"
-    time.sleep(0.5)
-    import os
-    import signal
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    kill_sync_mid_transfer([PY, "bin/sync.py", "--hostfile", str(hf), "--remote-root", fabric.remote_root,
+                            "--dataset", DATASET, "--bwlimit", "100"], ddir.parent / f".{DATASET}.incoming",
+                           env=fabric.env(), wait_s=30)
     fabric.ssh("fab3", ["pkill", "-KILL", "rsync"])  # the receiving side of the killed transfer
     assert {f.name: f.read_bytes() for f in ddir.iterdir()} == stale, "the dataset changed mid-sync"
     fmake(fabric, "sync", *fab_vars(fabric, hosts, "fab-sync-kill"))
@@ -222,6 +212,16 @@ def test_absurd_learning_rate_is_stability(fabric_faults):
     assert "RUNBOOK.md#learning-rate-or-lora-stability" in p.stderr
 
 
+def train_directly(fabric, hosts, run):
+    """bin/run.py --stage train on the hosts without make (so no sync or check-parity repairs or
+    refuses the fault first)."""
+    return subprocess.run([PY, "bin/run.py", "--stage", "train", "--skip-smoke-check", "--run", run,
+                           "--hostfile", str(fabric.hostfile(hosts)), "--config", "configs/smoke.yaml",
+                           "--model", MODEL, "--dataset", DATASET, "--remote-root", fabric.remote_root,
+                           "--python", fabric.python],
+                          cwd=ROOT, env=fabric.env(), capture_output=True, text=True, timeout=600)
+
+
 def test_dataset_missing_on_one_host_is_path_category(fabric_faults):
     fabric = fabric_faults
     hosts = ["fab1", "fab2"]
@@ -230,11 +230,7 @@ def test_dataset_missing_on_one_host_is_path_category(fabric_faults):
     # itself would re-sync and repair it first: that is the point of re-syncing).
     import shutil
     shutil.rmtree(host_file(fabric, "fab2", f"datasets/{DATASET}"))
-    hf = fabric.hostfile(hosts)
-    p = subprocess.run([PY, "bin/run.py", "--stage", "train", "--skip-smoke-check", "--run", "fab-nodata",
-                        "--hostfile", str(hf), "--config", "configs/smoke.yaml", "--model", MODEL,
-                        "--dataset", DATASET, "--remote-root", fabric.remote_root, "--python", fabric.python],
-                       cwd=ROOT, env=fabric.env(), capture_output=True, text=True, timeout=600)
+    p = train_directly(fabric, hosts, "fab-nodata")
     assert p.returncode != 0
     summary = json.loads((ROOT / "runs/fab-nodata/train.json").read_text())
     assert summary["category"] == "export format or path consistency", summary
@@ -246,11 +242,7 @@ def test_wrong_interpreter_on_one_host_is_runtime_parity(fabric_faults):
     hosts = ["fab1", "fab2"]
     fmake(fabric, "sync", *fab_vars(fabric, hosts, "fab-nopy"))
     fabric.hide_python("fab2")
-    hf = fabric.hostfile(hosts)
-    p = subprocess.run([PY, "bin/run.py", "--stage", "train", "--skip-smoke-check", "--run", "fab-nopy",
-                        "--hostfile", str(hf), "--config", "configs/smoke.yaml", "--model", MODEL,
-                        "--dataset", DATASET, "--remote-root", fabric.remote_root, "--python", fabric.python],
-                       cwd=ROOT, env=fabric.env(), capture_output=True, text=True, timeout=600)
+    p = train_directly(fabric, hosts, "fab-nopy")
     assert p.returncode != 0
     summary = json.loads((ROOT / "runs/fab-nopy/train.json").read_text())
     assert summary["category"] == "runtime parity", summary

@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from conftest import PY, ROOT, run
+from conftest import PY, ROOT, kill_sync_mid_transfer, run
+from support import write_manifest
 
-from lib import atomic
-from lib.hashing import digest_of, sha256_file
+from lib.hashing import sha256_file
 
 
 def make_dataset(name: str, records: int = 200, pad: int = 0) -> Path:
@@ -29,10 +27,7 @@ def make_dataset(name: str, records: int = 200, pad: int = 0) -> Path:
                                     {"role": "assistant", "content": f"a{i}"}], "record_id": f"{split}-{i}"}
                 f.write(json.dumps(msg) + "\n")
     (d / "rejects.jsonl").write_text("")
-    files = {n: {"sha256": sha256_file(d / n), "bytes": (d / n).stat().st_size}
-             for n in ("train.jsonl", "valid.jsonl", "test.jsonl", "rejects.jsonl")}
-    atomic.write_json(d / "manifest.json", {"files": files, "dataset_sha256": digest_of(
-        {n: files[n]["sha256"] for n in ("train.jsonl", "valid.jsonl", "test.jsonl")})})
+    write_manifest(d)
     return d
 
 
@@ -136,17 +131,8 @@ def test_interrupted_sync_keeps_previous_good_copy(tmp_path, request):
     before = {f.name: sha256_file(f) for f in (dst / "datasets" / name).iterdir()}
     # A new, bigger dataset; transfer it at 200 KiB/s so the kill lands mid-transfer.
     make_dataset(name, records=4000, pad=200)
-    p = subprocess.Popen([PY, "bin/sync.py", "--hostfile", "hostfile.local.json", "--remote-root", str(dst),
-                          "--dataset", name, "--bwlimit", "200"], cwd=ROOT, start_new_session=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    staging = dst / "datasets" / f".{name}.incoming"
-    deadline = time.time() + 20
-    while time.time() < deadline and not staging.exists():
-        time.sleep(0.05)
-    assert staging.exists(), "the transfer never started"
-    time.sleep(0.5)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    kill_sync_mid_transfer([PY, "bin/sync.py", "--hostfile", "hostfile.local.json", "--remote-root", str(dst),
+                            "--dataset", name, "--bwlimit", "200"], dst / "datasets" / f".{name}.incoming")
     after = {f.name: sha256_file(f) for f in (dst / "datasets" / name).iterdir()}
     assert after == before, "the host's dataset changed although the sync was killed mid-transfer"
     # The next sync completes and verifies.
