@@ -2,8 +2,10 @@
 # `make help` lists the targets; `make -n <stage>` prints what a stage runs.
 # Works with GNU make 3.81 (macOS) and 4.x.
 
-SHELL := bash
-.SHELLFLAGS := -eu -o pipefail -c
+# GNU make 3.81 ignores .SHELLFLAGS but splits SHELL into words, so the strict flags live
+# in SHELL itself and hold under 3.81 and 4.x alike (tests/test_macos_tools.py proves it).
+SHELL := bash -eu -o pipefail
+.SHELLFLAGS := -c
 .DELETE_ON_ERROR:
 .SUFFIXES:
 MAKEFLAGS += --warn-undefined-variables --no-builtin-rules

@@ -76,7 +76,7 @@ def test_makefile_runs_on_make_381():
     text = (ROOT / "Makefile").read_text()
     for bad in (".ONESHELL", ".RECIPEPREFIX", "$(file ", "undefine ", "!=", "$(intcmp", "$(let "):
         assert bad not in text, f"Makefile uses {bad!r}, which GNU make 3.81 lacks"
-    for line in ("SHELL := bash", ".SHELLFLAGS := -eu -o pipefail -c", ".DELETE_ON_ERROR:",
+    for line in ("SHELL := bash -eu -o pipefail", ".SHELLFLAGS := -c", ".DELETE_ON_ERROR:",
                  ".DEFAULT_GOAL := help", ".SUFFIXES:"):
         assert line in text
 
