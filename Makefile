@@ -11,12 +11,20 @@ SHELL := bash -eu -o pipefail
 MAKEFLAGS += --warn-undefined-variables --no-builtin-rules
 .DEFAULT_GOAL := help
 
+# ---- the operator's settings ----------------------------------------------------
+# settings.mk (git-ignored) holds this Mac1's values, so bare `make smoke` / `make train`
+# use them; its shape is in README.md#settings. The command line overrides it.
+SETTINGS ?= settings.mk
+-include $(SETTINGS)
+
 # ---- variables (all overridable: make smoke RUN=... HOSTFILE=...) ----------
+# MODEL and CORPUS have no default: the demo's tiny model and sample corpus are `make demo`'s
+# own, and never reach the Macs unless asked for by name.
 RUN         ?= stage1
 HOSTFILE    ?= hostfile.json
-CORPUS      ?= datasets/sample/corpus.jsonl
+CORPUS      ?=
 DATASET     ?= domain_sft_v1_high_signal_thunder
-MODEL       ?= models/tiny-gemma4
+MODEL       ?=
 CONFIG      ?= configs/stage1.yaml
 REMOTE_ROOT ?= $(CURDIR)
 PYTHON      ?= $(REMOTE_ROOT)/.venv/bin/python
@@ -30,6 +38,7 @@ DRY_RUN     ?=
 SYNC_MODEL  ?=
 RESUME      ?=
 PYTEST_ARGS ?=
+REPLACE     ?=
 CONTROL_HOST ?=
 WATCHDOG    ?=
 PORT        ?=
@@ -101,25 +110,32 @@ datasets/sample/corpus.jsonl: bin/make_sample_corpus.py $(VENV)/.stamp
 	$(PY) bin/make_sample_corpus.py --out $@
 
 # ---- stages, in pipeline order -------------------------------------------------
-## export: corpus -> datasets/$(DATASET)/ (mlx-lm chat JSONL, splits, manifest, rejects)
+## export: CORPUS -> datasets/$(DATASET)/ (mlx-lm chat JSONL, splits, manifest, rejects); REPLACE=1 replaces another corpus's dataset
+# The only stage that writes a dataset: later stages never re-export. The same corpus and
+# settings again is a no-op; another corpus into an existing dataset is refused unless REPLACE=1.
 # CORPUS: files and/or globs ('data/*.jsonl.gz'). EXPORT_ARGS: more bin/export.py flags,
 # e.g. EXPORT_ARGS='--field text=body --ratios 0.8,0.1,0.1'.
 EXPORT_CONFIG ?= configs/export.yaml
 EXPORT_ARGS   ?=
-# The files CORPUS names now; the default sample corpus is built by its rule when missing.
-CORPUS_FILES  := $(or $(wildcard $(CORPUS)),$(filter datasets/sample/corpus.jsonl,$(CORPUS)))
-EXPORT_STAMP  := datasets/$(DATASET)/manifest.json
 .PHONY: export
-export: $(EXPORT_STAMP)
+export: $(VENV)/.stamp $(filter datasets/sample/corpus.jsonl,$(CORPUS))
+	$(call need,CORPUS)$(PY) bin/export.py $(CORPUS) --dataset $(DATASET) --config $(EXPORT_CONFIG)$(if $(REPLACE), --replace) $(EXPORT_ARGS)
 
-$(EXPORT_STAMP): $(CORPUS_FILES) $(STAMPS)/export-$(DATASET).args bin/export.py $(EXPORT_CONFIG) $(LIB) $(VENV)/.stamp
-	$(PY) bin/export.py $(CORPUS) --dataset $(DATASET) --config $(EXPORT_CONFIG) $(EXPORT_ARGS)
+# A stage that needs the dataset finds it exported, or says how to export it (never exports).
+datasets/%/manifest.json:
+	@echo "error: datasets/$*/manifest.json is missing: export the corpus first, make export CORPUS=<files> DATASET=$*; see RUNBOOK.md#export" >&2; exit 2
 
-# What the export is asked for (CORPUS, the files it matches, config, flags), rewritten
-# only when it changes: a new CORPUS re-exports even when the old manifest is newer.
-$(STAMPS)/export-$(DATASET).args: export EXPORT_REQUEST = CORPUS=$(CORPUS) FILES=$(CORPUS_FILES) CONFIG=$(EXPORT_CONFIG) ARGS=$(EXPORT_ARGS)
-$(STAMPS)/export-$(DATASET).args: FORCE | $(STAMPS)
-	@printf '%s\n' "$$EXPORT_REQUEST" > $@.tmp; if cmp -s $@.tmp $@; then rm -f $@.tmp; else mv -f $@.tmp $@; fi
+# A literal '#' for messages: 3.81 reads one inside a function call as a comment, 4.3+ does not.
+HASH := \#
+# `$(call need,VAR)`: stop, before anything runs, when VAR has no value (no settings file yet).
+need = $(if $($(1)),,$(error $(1) is not set: put `$(1) = ...` in $(SETTINGS) or pass $(1)=... on the command line; see RUNBOOK.md$(HASH)settings))
+# The demo's generated model never goes to the real Macs by default: with hostfile.json and
+# no $(SETTINGS), a tiny model stops here.
+guard_real = $(if $(and $(filter hostfile.json,$(HOSTFILE)),$(filter models/tiny-%,$(MODEL)),$(if $(wildcard $(SETTINGS)),,no)),$(error MODEL=$(MODEL) is the generated tiny model and HOSTFILE=hostfile.json names the real Macs: write $(SETTINGS) with your MODEL, CORPUS, DATASET, HOSTFILE, REMOTE_ROOT, PYTHON; see RUNBOOK.md$(HASH)settings))
+# A stage's stamp stands only while its run folder says PASS (runs/RUN/<stage>.json, "ok": true):
+# a removed or failed run re-runs its stage.
+passed = $(shell grep -qs '^  "ok": true,\{0,1\}$$' runs/$(RUN)/$(1).json && echo yes)
+stale  = $(if $(call passed,$(1)),,FORCE)
 
 .PHONY: FORCE
 FORCE:
@@ -132,30 +148,25 @@ RECREATE    ?=
 
 ## check-parity: preflight every host in HOSTFILE (JSON=1: one JSON object; DEEP=1: hash the model; exit 0/1/2/3)
 # Phony: it is cheap and host state changes behind make's back. WARNING (exit 1) passes;
-# the stamp only records the last passing run. With JSON=1 stdout is the JSON object alone.
+# with JSON=1 stdout is the JSON object alone.
 .PHONY: check-parity
 check-parity: $(VENV)/.stamp
 	$(if $(JSON),@)$(PARITY_CMD)$(if $(JSON), --json)$(if $(DEEP), --deep) || [ $$? -eq 1 ]
-	$(if $(JSON),@)mkdir -p $(STAMPS) && touch $(STAMPS)/check-parity
 
 ## provision: create or repair PYTHON's venv on every host from requirements.lock, then check-parity
 .PHONY: provision
 provision: $(VENV)/.stamp | $(STAMPS)
 	$(PY) bin/provision.py --hostfile $(HOSTFILE) --python $(PYTHON)$(if $(BASE_PYTHON), --base-python $(BASE_PYTHON))$(if $(RECREATE), --recreate)
 	$(PARITY_GATE)
-	touch $(STAMPS)/check-parity
 
 ## sync: code + dataset (+ model with SYNC_MODEL=1) to REMOTE_ROOT on every host, verified by hash
 # Always runs (a no-op sync is one hash probe per host): host state changes behind make's back.
 .PHONY: sync
-sync: datasets/$(DATASET)/manifest.json $(VENV)/.stamp | $(STAMPS)
-	rm -f $(STAMPS)/sync.$(RUN)
-	$(SYNC_CMD)$(if $(DRY_RUN), --dry-run)
-	$(if $(DRY_RUN),: dry run: no stamp,touch $(STAMPS)/sync.$(RUN))
+sync: datasets/$(DATASET)/manifest.json $(VENV)/.stamp
+	$(call need,MODEL)$(guard_real)$(SYNC_CMD)$(if $(DRY_RUN), --dry-run)
 
 # What smoke, train and control share: the launch flags, and the sync and parity
 # commands they re-run before every launch (host state changes behind make's back).
-MODEL_DEP   := $(if $(filter models/tiny-%,$(MODEL)),$(MODEL)/config.json)
 CODE        := $(wildcard bin/*.py) $(LIB) $(wildcard configs/*.yaml) $(LOCK)
 LAUNCH_ARGS  = --run $(RUN) --hostfile $(HOSTFILE) --model $(MODEL) --dataset $(DATASET) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(SEED), --seed $(SEED))$(if $(WATCHDOG), --watchdog $(WATCHDOG))$(if $(PORT), --port $(PORT))
 SYNC_CMD     = $(PY) bin/sync.py --hostfile $(HOSTFILE) --remote-root $(REMOTE_ROOT) --dataset $(DATASET) --model=$(MODEL) --run $(RUN)$(if $(SYNC_MODEL), --sync-model)
@@ -168,8 +179,8 @@ PARITY_GATE  = $(PARITY_CMD) || [ $$? -eq 1 ]
 .PHONY: smoke
 smoke: $(STAMPS)/smoke.$(RUN)
 
-$(STAMPS)/smoke.$(RUN): datasets/$(DATASET)/manifest.json $(MODEL_DEP) $(CODE) $(SMOKE_CONFIG) $(HOSTFILE) $(VENV)/.stamp | $(STAMPS)
-	$(SYNC_CMD)
+$(STAMPS)/smoke.$(RUN): datasets/$(DATASET)/manifest.json $(CODE) $(SMOKE_CONFIG) $(HOSTFILE) $(VENV)/.stamp $(call stale,smoke) | $(STAMPS)
+	$(call need,MODEL)$(guard_real)$(SYNC_CMD)
 	$(PARITY_GATE)
 	$(PY) bin/smoke.py --config $(SMOKE_CONFIG) $(LAUNCH_ARGS)
 	touch $@
@@ -178,7 +189,7 @@ $(STAMPS)/smoke.$(RUN): datasets/$(DATASET)/manifest.json $(MODEL_DEP) $(CODE) $
 .PHONY: train
 train: $(STAMPS)/train.$(RUN)
 
-$(STAMPS)/train.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) | $(STAMPS)
+$(STAMPS)/train.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,train) | $(STAMPS)
 	$(SYNC_CMD)
 	$(PARITY_GATE)
 	$(PY) bin/run.py --stage train --config $(CONFIG) $(LAUNCH_ARGS)$(if $(RESUME), --resume)
@@ -188,28 +199,26 @@ $(STAMPS)/train.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) | $(STAMPS)
 .PHONY: control
 control: $(STAMPS)/control.$(RUN)
 
-$(STAMPS)/control.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) | $(STAMPS)
+$(STAMPS)/control.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,control) | $(STAMPS)
 	$(SYNC_CMD)
+	$(PARITY_GATE)
 	$(PY) bin/run.py --stage control --config $(CONFIG) $(LAUNCH_ARGS)$(if $(CONTROL_HOST), --control-host $(CONTROL_HOST))
 	touch $@
 
 ## compare: dual vs control on the test split (TOLERANCE=0.02 MIN_SPEEDUP=1 TEST_BATCHES=-1); writes runs/$(RUN)/compare/
 # Phony: evaluation is cheap and TOLERANCE may change; it always re-reads the run folders.
 # Train and control are order-only: built when missing, never re-run just because compare is.
-# The stamp records the last passing compare (exit 0); any other verdict fails the target.
 .PHONY: compare
-compare: $(VENV)/.stamp | $(STAMPS) $(STAMPS)/train.$(RUN) $(STAMPS)/control.$(RUN)
-	rm -f $(STAMPS)/compare.$(RUN)
+compare: $(VENV)/.stamp | $(STAMPS)/train.$(RUN) $(STAMPS)/control.$(RUN)
 	$(PY) bin/compare.py --run $(RUN)$(if $(TOLERANCE), --tolerance $(TOLERANCE))$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))$(if $(TEST_BATCHES), --test-batches $(TEST_BATCHES))
-	touch $(STAMPS)/compare.$(RUN)
 
 ## calibrate: sync + check-parity, then per-host tok/s and memory, the all_sum curve and the expected speedup -> runs/calibration-<time>.json
 # Phony: a measurement, not a build product. CALIBRATE_ARGS: more bin/calibrate.py flags,
 # e.g. CALIBRATE_ARGS='--budget-s 300 --max-bytes 67108864' or '--skip-compute'.
 CALIBRATE_ARGS ?=
 .PHONY: calibrate
-calibrate: datasets/$(DATASET)/manifest.json $(MODEL_DEP) $(VENV)/.stamp | $(STAMPS)
-	$(SYNC_CMD)
+calibrate: datasets/$(DATASET)/manifest.json $(VENV)/.stamp
+	$(call need,MODEL)$(guard_real)$(SYNC_CMD)
 	$(PARITY_GATE)
 	$(PY) bin/calibrate.py --hostfile $(HOSTFILE) --model $(MODEL) --config $(CONFIG) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(PORT), --port $(PORT))$(if $(CALIBRATE_ARGS), $(CALIBRATE_ARGS))
 
@@ -219,16 +228,19 @@ plan: $(VENV)/.stamp
 	$(PY) bin/plan.py --run $(RUN) --hostfile $(HOSTFILE) --config $(CONFIG) --model $(MODEL) --dataset $(DATASET) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))
 
 ## demo: the whole chain on hostfile.local.json with the sample corpus and the tiny model; prints the report's path
-# Two ranks on one machine cannot be faster than one: the demo accepts any speedup
-# (MIN_SPEEDUP=0) and the report still shows the measured one.
+# The demo's own dataset (datasets/sample) and model (models/tiny-gemma4): it never touches
+# the operator's settings. Two ranks on one machine cannot be faster than one: the demo
+# accepts any speedup (MIN_SPEEDUP=0) and the report still shows the measured one.
 DEMO_RUN         ?= demo
 DEMO_HOSTFILE    ?= hostfile.local.json
 DEMO_REMOTE_ROOT ?= $(CURDIR)
 DEMO_VARS = RUN=$(DEMO_RUN) HOSTFILE=$(DEMO_HOSTFILE) REMOTE_ROOT=$(DEMO_REMOTE_ROOT) \
 	PYTHON=$(CURDIR)/$(VENV)/bin/python MODEL=models/tiny-gemma4 CONFIG=configs/demo.yaml \
-	CORPUS=datasets/sample/corpus.jsonl DATASET=domain_sft_v1_high_signal_thunder MIN_SPEEDUP=0
+	CORPUS=datasets/sample/corpus.jsonl DATASET=sample MIN_SPEEDUP=0 SETTINGS=/dev/null
 .PHONY: demo
 demo: $(VENV)/.stamp
+	$(MAKE) --no-print-directory tiny-model sample-corpus ARCH=gemma4
+	$(MAKE) --no-print-directory export $(DEMO_VARS) REPLACE=1
 	$(MAKE) --no-print-directory compare $(DEMO_VARS)
 	@echo "demo: report at runs/$(DEMO_RUN)/compare/report.md (curves: runs/$(DEMO_RUN)/compare/loss_curves.png)"
 

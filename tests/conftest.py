@@ -50,10 +50,44 @@ def root() -> Path:
     return ROOT
 
 
-def make(*args, check=True, **kw):
-    """`make <args>` from the repo root with the venv's python first on PATH."""
+def macos_tools() -> Path | None:
+    """The bin dir of macOS's own GNU make 3.81, rsync 2.6.9 and openrsync built from Apple's
+    sources (`.ci/macos-tools.sh`; CI exports MACOS_TOOLS), or None where they are not built."""
+    d = os.environ.get("MACOS_TOOLS")
+    if not d:
+        p = subprocess.run(["bash", str(ROOT / ".ci" / "macos-tools.sh"), "--cached"], capture_output=True, text=True)
+        d = p.stdout.strip() if p.returncode == 0 else ""
+    if d and all((Path(d) / t).is_file() for t in ("make", "rsync269", "openrsync")):
+        return Path(d)
+    if os.environ.get("REQUIRE_MACOS_TOOLS") == "1":
+        raise RuntimeError(f"REQUIRE_MACOS_TOOLS=1 but macOS's tools are not built (MACOS_TOOLS={d!r}): "
+                           "bash .ci/macos-tools.sh (needs clang and libbsd-dev)")
+    return None
+
+
+# The make the operator's Mac runs (/usr/bin/make is GNU make 3.81) drives every make-based test
+# where it is built; tests/test_macos_tools.py runs the make-only behaviour under both makes.
+_TOOLS = macos_tools()
+MAKE = str(_TOOLS / "make") if _TOOLS else "make"
+
+
+def make(*args, check=True, make_bin=None, **kw):
+    """`make <args>` from the repo root (macOS's make 3.81 where built, else this machine's)."""
     env = dict(os.environ, **kw.pop("env", {}))
-    return run(["make", "--no-print-directory", *args], check=check, env=env, **kw)
+    # A developer's own settings.mk never leaks into a test: a test that wants one says SETTINGS=.
+    own = [] if any(str(a).startswith("SETTINGS=") for a in args) else ["SETTINGS=/dev/null"]
+    return run([make_bin or MAKE, "--no-print-directory", *args, *own], check=check, env=env, **kw)
+
+
+SAMPLE_DATASET = "domain_sft_v1_high_signal_thunder"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def demo_inputs():
+    """The generated tiny model and the sample corpus exported to datasets/{SAMPLE_DATASET}, as
+    explicit `make` steps: no stage exports or generates anything behind the operator's back."""
+    make("tiny-model", "sample-corpus", "ARCH=gemma4")
+    make("export", "CORPUS=datasets/sample/corpus.jsonl", f"DATASET={SAMPLE_DATASET}")
 
 
 # ---- the multi-host test fabric (tests/fabric.py; issue #3) --------------------------------
