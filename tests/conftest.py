@@ -73,7 +73,7 @@ MAKE = str(_TOOLS / "make") if _TOOLS else "make"
 
 def make(*args, check=True, make_bin=None, **kw):
     """`make <args>` from the repo root (macOS's make 3.81 where built, else this machine's)."""
-    env = dict(os.environ, **kw.pop("env", {}))
+    env = dict(os.environ, **(kw.pop("env", None) or {}))
     # A developer's own settings.mk never leaks into a test: a test that wants one says SETTINGS=.
     own = [] if any(str(a).startswith("SETTINGS=") for a in args) else ["SETTINGS=/dev/null"]
     return run([make_bin or MAKE, "--no-print-directory", *args, *own], check=check, env=env, **kw)

@@ -1,0 +1,159 @@
+"""RUNBOOK.md's "The real run", executed as written against two fresh fabric hosts.
+
+The command block is read from RUNBOOK.md and typed line by line; only the values of the
+operator's settings file differ from Mac1's (the fabric's hostfile, REMOTE_ROOT and PYTHON,
+the tiny model and the demo config). The hosts start with nothing: no venv, no code, no
+dataset. Before every step, `make -n <step>` is captured and must be exactly the commands the
+step then runs (issue #13: reproduction commands that are what ran). Driven by macOS's own
+make 3.81 where it is built (conftest.MAKE), and fab2 logs in with zsh and macOS's PATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+from conftest import PY, ROOT, make, require_fabric
+
+pytestmark = [pytest.mark.fabric, pytest.mark.slow]
+
+
+def runbook_block() -> list[str]:
+    text = (ROOT / "RUNBOOK.md").read_text()
+    section = text.split("\n## The real run\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert block, "RUNBOOK.md's 'The real run' has no ```sh block"
+    lines = [ln.strip() for ln in block.group(1).splitlines() if ln.strip() and not ln.startswith("#")]
+    assert lines and all(ln.startswith("make ") for ln in lines), lines
+    return lines
+
+
+def test_runbook_block_is_the_plans_order():
+    targets = [ln.split()[1] for ln in runbook_block()]
+    order = ["setup", "provision", "export", "sync", "check-parity", "smoke", "train", "control", "compare"]
+    assert targets == order, targets
+
+
+def dry_run(*args, env=None) -> list[str]:
+    """`make -n <args>`: the commands it lists (make's own 'Nothing to be done' notes dropped)."""
+    out = make("-n", *args, env=env, timeout=120).stdout
+    return [ln for ln in out.splitlines() if ln and not re.match(r"^\S*make(\[\d+\])?: ", ln)]
+
+
+def commands_run(stdout: str, dry: list[str]) -> list[str]:
+    """The recipe lines a real make run echoed, in order: every line that `make -n` listed, plus
+    any other line that looks like one (a script under bin/ or a stamp), which would be extra."""
+    want = set(dry)
+    return [ln for ln in stdout.splitlines()
+            if ln in want or re.match(r"^(\S*/)?python\S* bin/\w+\.py |^touch \.stamps/", ln)]
+
+
+@pytest.fixture
+def fresh_fabric():
+    fabric_mod = require_fabric()
+    pid = os.getpid()
+    env = {"FABRIC_DIR": str(ROOT / "runs" / f"fabric-realrun-{pid}"), "FABRIC_PREFIX": f"tr{pid}",
+           "FABRIC_SUBNET": "auto", "FABRIC_OWNER_PID": str(pid)}
+    make("fabric-up", "HOSTS=2", env=env)
+    try:
+        yield fabric_mod.Fabric(env["FABRIC_DIR"])
+    finally:
+        make("fabric-down", env=env)
+
+
+def test_the_real_run_as_written_on_fresh_hosts(fresh_fabric, tmp_path):
+    fab = fresh_fabric
+    name = f"realrun-{os.getpid()}"
+    for h in fab.hosts:  # fresh: nothing under REMOTE_ROOT
+        assert not any(fab.backing_dir(h).iterdir()), f"{h} is not fresh"
+    settings = tmp_path / "settings.mk"
+    settings.write_text("\n".join([
+        f"HOSTFILE    = {fab.hostfile(2)}",
+        "MODEL       = models/tiny-gemma4",
+        "CORPUS      = datasets/sample/corpus.jsonl",
+        f"DATASET     = {name}",
+        f"REMOTE_ROOT = {fab.remote_root}",
+        f"PYTHON      = {fab.remote_root}/.venv/bin/python",
+        f"RUN         = {name}",
+        "CONFIG      = configs/demo.yaml",
+        "MIN_SPEEDUP = 0",  # the fabric's hosts share this machine's cores
+        "",
+    ]))
+    env = fab.env()
+    try:
+        for line in runbook_block():
+            args = line.split()[1:] + [f"SETTINGS={settings}"]
+            dry = dry_run(*args, env=env)
+            p = make(*args, env=env, check=False, timeout=900)
+            assert p.returncode == 0, f"`{line}` failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+            assert commands_run(p.stdout, dry) == dry, f"`make -n` differs from what `{line}` ran"
+            if args[0] == "provision":
+                assert not (fab.backing_dir("fab1") / "datasets").exists(), "provision synced data"
+        report = ROOT / "runs" / name / "compare" / "report.md"
+        assert report.is_file()
+        summary = json.loads((ROOT / "runs" / name / "train.json").read_text())
+        assert summary["ok"] and summary.get("world_size", 2) == 2
+
+        # Nothing left to do: every stage's stamp stands, and make -n says so.
+        for target in ("smoke", "train", "control"):
+            assert dry_run(target, f"SETTINGS={settings}", env=env) == []
+        # A stamp cannot outlive its run: without the run folder, smoke (and what follows) re-runs.
+        shutil.rmtree(ROOT / "runs" / name)
+        dry = "\n".join(dry_run("train", f"SETTINGS={settings}", env=env))
+        assert "bin/smoke.py" in dry and "bin/run.py --stage train" in dry, dry
+    finally:
+        shutil.rmtree(ROOT / "runs" / name, ignore_errors=True)
+        shutil.rmtree(ROOT / "runs" / f"{name}-control", ignore_errors=True)
+        shutil.rmtree(ROOT / "datasets" / name, ignore_errors=True)
+        for st in (ROOT / ".stamps").glob(f"*{name}*"):
+            st.unlink()
+
+
+def test_a_stamp_without_its_run_folder_re_runs(tmp_path):
+    """Observation 4 of #13: remove runs/X/ and `make smoke RUN=X` used to say nothing to do."""
+    name = f"stamp-{os.getpid()}"
+    stamps = ROOT / ".stamps"
+    stamps.mkdir(exist_ok=True)
+    variables = [f"RUN={name}", "HOSTFILE=hostfile.local.json", "MODEL=models/tiny-gemma4",
+                 "DATASET=domain_sft_v1_high_signal_thunder"]
+    try:
+        (stamps / f"smoke.{name}").touch()
+        run_dir = ROOT / "runs" / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "smoke.json").write_text(json.dumps({"ok": True, "why": ""}, indent=2, sort_keys=True) + "\n")
+        assert dry_run("smoke", *variables) == [], "a passing run's stamp stands"
+        (run_dir / "smoke.json").write_text(json.dumps({"ok": False, "why": "x"}, indent=2, sort_keys=True) + "\n")
+        assert "bin/smoke.py" in make("-n", "smoke", *variables).stdout, "a failed run's stamp stood"
+        shutil.rmtree(run_dir)
+        assert "bin/smoke.py" in make("-n", "smoke", *variables).stdout, "a removed run's stamp stood"
+    finally:
+        shutil.rmtree(ROOT / "runs" / name, ignore_errors=True)
+        (stamps / f"smoke.{name}").unlink(missing_ok=True)
+
+
+def test_no_stage_re_exports_and_make_n_shows_only_the_stage(tmp_path):
+    """Observations 1 and 3 of #13: a plain `make sync`/`make -n smoke` re-exported the sample
+    corpus into the operator's dataset. Now the dataset is whatever `make export` made, and a
+    stage without its dataset says how to export it."""
+    variables = ["RUN=noexport", "HOSTFILE=hostfile.local.json", "MODEL=models/tiny-gemma4",
+                 f"REMOTE_ROOT={ROOT}", f"PYTHON={PY}"]
+    for target in ("sync", "smoke", "train", "control", "calibrate"):
+        out = make("-n", target, *variables, "DATASET=domain_sft_v1_high_signal_thunder").stdout
+        assert "bin/export.py" not in out and "make_tiny_model" not in out and "make_sample_corpus" not in out, out
+    p = make("sync", *variables, "DATASET=never-exported", check=False)
+    assert p.returncode != 0
+    assert "make export CORPUS=<files> DATASET=never-exported" in p.stderr and "RUNBOOK.md#export" in p.stderr
+    assert not (ROOT / "datasets" / "never-exported").exists()
+
+
+def test_without_settings_the_demo_model_never_reaches_the_macs(tmp_path):
+    none = f"SETTINGS={tmp_path}/settings.mk"  # no settings file written yet
+    p = make("sync", none, check=False)
+    assert p.returncode != 0 and "MODEL is not set" in p.stderr and "settings.mk" in p.stderr, p.stderr
+    p = make("smoke", "MODEL=models/tiny-gemma4", none, check=False)
+    assert p.returncode != 0 and "names the real Macs" in p.stderr and "RUNBOOK.md#settings" in p.stderr, p.stderr
+    p = make("export", none, check=False)
+    assert p.returncode != 0 and "CORPUS is not set" in p.stderr, p.stderr
