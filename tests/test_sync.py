@@ -214,37 +214,34 @@ def _sync_module():
 
 
 @pytest.mark.parametrize("shell", ["sh", "bash --posix"])
-def test_verify_and_swap_script_names_every_bad_file_and_never_swaps_a_bad_copy(tmp_path, shell):
-    """VERIFY_SWAP_SH on its own (as a host runs it): a wrong file whose name has a space, a
-    missing one and an empty one; the staging copy is swapped in only when all of it matches."""
+def test_probe_and_swap_scripts_as_a_host_runs_them(tmp_path, shell):
+    """PROBE_SH on its own: a name with a space is hashed, a missing file named, the dataset folder
+    listed, `--exists` files only looked for. SWAP_SH puts the staging copy live, also after a swap
+    that was cut between its two renames (the aside copy is put back first, then replaced)."""
     import hashlib
 
     mod = _sync_module()
-    h = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
     root = tmp_path / "root"
     (root / "configs").mkdir(parents=True)
-    (root / "configs" / "my run.yaml").write_text("changed\n")
-    staging = root / "datasets" / ".d.incoming"
-    staging.mkdir(parents=True)
-    (staging / "train.jsonl").write_text("new\n")
-    (staging / "rejects.jsonl").write_text("")
-    (root / "datasets" / "d").mkdir()
+    (root / "configs" / "my run.yaml").write_text("a\n")
+    (root / "datasets" / "d").mkdir(parents=True)
     (root / "datasets" / "d" / "train.jsonl").write_text("old\n")
-
-    def run_script(pairs):
-        return subprocess.run([*shell.split(), "-c", mod.VERIFY_SWAP_SH, "sh", str(root), "datasets/d", *pairs],
-                              capture_output=True, text=True)
-
-    good = [h(b"new\n"), "datasets/.d.incoming/train.jsonl", h(b""), "datasets/.d.incoming/rejects.jsonl"]
-    p = run_script([h(b"orig\n"), "configs/my run.yaml", *good, h(b"x"), "datasets/.d.incoming/valid.jsonl"])
-    assert p.returncode == 4, p.stderr
-    assert sorted(mod.mismatched_paths(p.stdout)) == ["configs/my run.yaml", "datasets/.d.incoming/valid.jsonl"]
-    assert (root / "datasets" / "d" / "train.jsonl").read_text() == "old\n", "a staging copy with a bad file went live"
-    # Only a code file is wrong: the dataset is swapped in, and the code file is still named.
-    p = run_script([h(b"orig\n"), "configs/my run.yaml", *good])
-    assert p.returncode == 4 and mod.mismatched_paths(p.stdout) == ["configs/my run.yaml"]
-    assert "SWAPPED" in p.stdout.split() and (root / "datasets" / "d" / "train.jsonl").read_text() == "new\n"
-    assert not staging.exists() and not (root / "datasets" / ".d.previous").exists()
+    p = subprocess.run([*shell.split(), "-c", mod.PROBE_SH, "sh", str(root), "ro", "-", "datasets/d",
+                        "configs/my run.yaml", "configs/gone.yaml", "--exists", "datasets/d/train.jsonl", "models/x"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    hashes = {m.group(2): m.group(1) for m in map(mod.HASH_LINE_RE.match, p.stdout.splitlines()) if m}
+    assert hashes == {"configs/my run.yaml": hashlib.sha256(b"a\n").hexdigest()}
+    assert {"MISSING configs/gone.yaml", "LIVE train.jsonl", "EXISTS datasets/d/train.jsonl",
+            "MISSING models/x"} <= set(p.stdout.splitlines()), p.stdout
+    # A swap cut after its first rename: no live copy, an aside one, and a new staging copy.
+    (root / "datasets" / "d").rename(root / "datasets" / ".d.previous")
+    (root / "datasets" / ".d.incoming").mkdir()
+    (root / "datasets" / ".d.incoming" / "train.jsonl").write_text("new\n")
+    p = subprocess.run([*shell.split(), "-c", mod.SWAP_SH, "sh", str(root), "d"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert sorted(x.name for x in (root / "datasets").iterdir()) == ["d"]
+    assert (root / "datasets" / "d" / "train.jsonl").read_text() == "new\n"
 
 
 def test_only_the_manifest_files_go_live(dataset, tmp_path):
@@ -266,3 +263,20 @@ def test_a_manifest_entry_that_is_not_a_plain_file_is_refused(dataset, rsync_spy
     p = sync(remote_root="/srv/thunder", dataset=dataset, env=env)
     assert p.returncode == 2 and "is not a plain file name with a sha256" in p.stderr and "re-run make export" in p.stderr
     assert not marker.exists()
+
+
+def test_max_delete_bounds_what_leaves_a_hosts_dataset_folder(dataset, tmp_path):
+    """Files in a host's dataset folder that are not in the manifest are removed by the next sync,
+    at most --max-delete of them: above that, the host is refused before any transfer."""
+    dst = tmp_path / "remote"
+    sync(remote_root=dst, dataset=dataset, check=True)
+    ddir = dst / "datasets" / dataset
+    for i in range(3):
+        (ddir / f"stale{i}.jsonl").write_text("old\n")
+    p = sync("--max-delete", "2", remote_root=dst, dataset=dataset)
+    assert p.returncode == 1 and "3 files that are not in its manifest" in p.stderr and "--max-delete 2" in p.stderr
+    assert "RUNBOOK.md#sync-refused" in p.stderr and len(list(ddir.iterdir())) == 8
+    p = sync("--max-delete", "3", remote_root=dst, dataset=dataset, check=True)
+    assert "status verified actions dataset" in p.stdout
+    assert sorted(f.name for f in ddir.iterdir()) == ["manifest.json", "rejects.jsonl", "test.jsonl", "train.jsonl",
+                                                      "valid.jsonl"]
