@@ -36,6 +36,8 @@ JSON        ?=
 DEEP        ?=
 DRY_RUN     ?=
 SYNC_MODEL  ?=
+RSYNC       ?=
+RSYNC_PATH  ?=
 RESUME      ?=
 PYTEST_ARGS ?=
 REPLACE     ?=
@@ -169,7 +171,7 @@ sync: datasets/$(DATASET)/manifest.json $(VENV)/.stamp
 # commands they re-run before every launch (host state changes behind make's back).
 CODE        := $(wildcard bin/*.py) $(LIB) $(wildcard configs/*.yaml) $(LOCK)
 LAUNCH_ARGS  = --run $(RUN) --hostfile $(HOSTFILE) --model $(MODEL) --dataset $(DATASET) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(SEED), --seed $(SEED))$(if $(WATCHDOG), --watchdog $(WATCHDOG))$(if $(PORT), --port $(PORT))
-SYNC_CMD     = $(PY) bin/sync.py --hostfile $(HOSTFILE) --remote-root $(REMOTE_ROOT) --dataset $(DATASET) --model=$(MODEL) --run $(RUN)$(if $(SYNC_MODEL), --sync-model)
+SYNC_CMD     = $(PY) bin/sync.py --hostfile $(HOSTFILE) --remote-root $(REMOTE_ROOT) --dataset $(DATASET) --model=$(MODEL) --run $(RUN)$(if $(SYNC_MODEL), --sync-model)$(if $(RSYNC), --rsync $(RSYNC))$(if $(RSYNC_PATH), --rsync-path $(RSYNC_PATH))
 PARITY_CMD   = $(PY) bin/check_parity.py --hostfile $(HOSTFILE) --python $(PYTHON) --remote-root $(REMOTE_ROOT) --model=$(MODEL) --dataset=$(DATASET) --min-disk-gb $(MIN_DISK_GB)
 
 # check-parity exit 1 is WARNING (e.g. a slow link): reported, not blocking.
