@@ -47,6 +47,7 @@ PORT        ?=
 SMOKE_CONFIG ?= configs/smoke.yaml
 TOLERANCE   ?=
 MIN_SPEEDUP ?=
+MIN_GAIN    ?=
 TEST_BATCHES ?=
 # The interpreter that builds .venv: the first Python >= 3.11 found, unless given.
 BOOTSTRAP_PYTHON ?=
@@ -172,7 +173,8 @@ sync: datasets/$(DATASET)/manifest.json $(VENV)/.stamp
 CODE        := $(wildcard bin/*.py) $(LIB) $(wildcard configs/*.yaml) $(LOCK)
 LAUNCH_ARGS  = --run $(RUN) --hostfile $(HOSTFILE) --model $(MODEL) --dataset $(DATASET) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(SEED), --seed $(SEED))$(if $(WATCHDOG), --watchdog $(WATCHDOG))$(if $(PORT), --port $(PORT))
 SYNC_CMD     = $(PY) bin/sync.py --hostfile $(HOSTFILE) --remote-root $(REMOTE_ROOT) --dataset $(DATASET) --model=$(MODEL) --run $(RUN)$(if $(SYNC_MODEL), --sync-model)$(if $(RSYNC), --rsync $(RSYNC))$(if $(RSYNC_PATH), --rsync-path $(RSYNC_PATH))
-PARITY_CMD   = $(PY) bin/check_parity.py --hostfile $(HOSTFILE) --python $(PYTHON) --remote-root $(REMOTE_ROOT) --model=$(MODEL) --dataset=$(DATASET) --min-disk-gb $(MIN_DISK_GB)
+PARITY_ARGS  = --hostfile $(HOSTFILE) --python $(PYTHON) --remote-root $(REMOTE_ROOT) --model=$(MODEL) --dataset=$(DATASET) --min-disk-gb $(MIN_DISK_GB)
+PARITY_CMD   = $(PY) bin/check_parity.py $(PARITY_ARGS)
 
 # check-parity exit 1 is WARNING (e.g. a slow link): reported, not blocking.
 PARITY_GATE  = $(PARITY_CMD) || [ $$? -eq 1 ]
@@ -207,12 +209,12 @@ $(STAMPS)/control.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,control)
 	$(PY) bin/run.py --stage control --config $(CONFIG) $(LAUNCH_ARGS)$(if $(CONTROL_HOST), --control-host $(CONTROL_HOST))
 	touch $@
 
-## compare: dual vs control on the test split (TOLERANCE=0.02 MIN_SPEEDUP=1 TEST_BATCHES=-1); writes runs/$(RUN)/compare/
+## compare: dual vs control vs base on the test split (TOLERANCE=0.02 MIN_SPEEDUP=1 MIN_GAIN=0 TEST_BATCHES=-1); writes runs/$(RUN)/compare/
 # Phony: evaluation is cheap and TOLERANCE may change; it always re-reads the run folders.
 # Train and control are order-only: built when missing, never re-run just because compare is.
 .PHONY: compare
 compare: $(VENV)/.stamp | $(STAMPS)/train.$(RUN) $(STAMPS)/control.$(RUN)
-	$(PY) bin/compare.py --run $(RUN)$(if $(TOLERANCE), --tolerance $(TOLERANCE))$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))$(if $(TEST_BATCHES), --test-batches $(TEST_BATCHES))
+	$(PY) bin/compare.py --run $(RUN)$(if $(TOLERANCE), --tolerance $(TOLERANCE))$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))$(if $(MIN_GAIN), --min-gain $(MIN_GAIN))$(if $(TEST_BATCHES), --test-batches $(TEST_BATCHES))
 
 ## calibrate: sync + check-parity, then per-host tok/s and memory, the all_sum curve and the expected speedup -> runs/calibration-<time>.json
 # Phony: a measurement, not a build product. CALIBRATE_ARGS: more bin/calibrate.py flags,
@@ -228,6 +230,17 @@ calibrate: datasets/$(DATASET)/manifest.json $(VENV)/.stamp
 .PHONY: plan
 plan: $(VENV)/.stamp
 	$(PY) bin/plan.py --run $(RUN) --hostfile $(HOSTFILE) --config $(CONFIG) --model $(MODEL) --dataset $(DATASET) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))
+
+## cron-line: print the crontab line for a check-parity of this checkout every EVERY minutes (JSON in runs/parity/, alert on a non-zero exit)
+EVERY ?= 15
+.PHONY: cron-line
+cron-line: $(VENV)/.stamp
+	@$(PY) bin/schedule.py cron-line --every-min $(EVERY) -- $(PARITY_ARGS)
+
+## launchd-plist: write runs/parity/com.thunder-runbook.check-parity.plist, the same check as a launchd job (macOS's scheduler)
+.PHONY: launchd-plist
+launchd-plist: $(VENV)/.stamp
+	$(PY) bin/schedule.py launchd-plist --every-min $(EVERY) -- $(PARITY_ARGS)
 
 ## demo: the whole chain on hostfile.local.json with the sample corpus and the tiny model; prints the report's path
 # The demo's own dataset (datasets/sample) and model (models/tiny-gemma4): it never touches
