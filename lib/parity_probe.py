@@ -1,18 +1,18 @@
-"""The host side of check-parity: one self-contained probe, printed as one JSON object.
+"""The host side of check-parity: one self-contained probe that prints one JSON object.
 
-bin/check_parity.py sends this file's source to `<python> -c <source> '<params json>'` on every host
-over one ssh call (lib/parity.py's PROBE_SH runs it with PYTHON, and again with the host's
-python3 when PYTHON is missing or crashes, so disk, code and link facts are still reported).
-It must stay standard-library only and run on any Python >= 3.8 (macOS's /usr/bin/python3
-is 3.9), because it runs before the host's venv is known to be good. It only reads: nothing
-on the host is changed.
+lib/parity.py's PROBE_SH sends this file's source to `<PYTHON> -c <source> '<params json>'` over
+one ssh call per host, and again to the host's python3 with `--fallback <why>` when PYTHON is
+missing or crashes, so disk, code and link facts are still reported. Standard library only, any
+Python >= 3.8 (macOS's /usr/bin/python3 is 3.9): it runs before the host's venv is known to be
+good. It only reads; nothing on the host changes. bin/calibrate.py reuses probe_memory().
 
-Local use (what the orchestrator runs for 127.0.0.1 hosts, and a debugging aid):
-    python lib/parity_probe.py '{"remote_root": "/path/to/repo", "python": "/path/to/python"}'
+Usage (what check-parity runs for 127.0.0.1; a debugging aid):
+    python lib/parity_probe.py '{"remote_root": "/Users/op/thunder-runbook", "parts": ["runtime"]}'
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -22,306 +22,151 @@ import socket
 import sys
 import time
 
-PROBE_VERSION = 1
-CHUNK = 1 << 20
 CMD_TIMEOUT = 8  # seconds, for each macOS tool
 
 
 def sha256_file(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
+        for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
 
 
 def iter_files(root, parts):
-    """Same rule as lib.hashing.iter_files: sorted relative paths, hidden files and
-    __pycache__ skipped. Kept in step with it by tests/test_check_parity.py."""
+    """lib.hashing.iter_files's rule (a test keeps them in step): sorted relative paths of the
+    files under each part, hidden files and __pycache__ skipped."""
     out = set()
     for part in parts:
-        p = os.path.join(root, part)
-        if os.path.isfile(p):
+        if os.path.isfile(os.path.join(root, part)):
             out.add(part)
-        elif os.path.isdir(p):
-            for dirpath, dirnames, filenames in os.walk(p):
-                dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
-                for name in filenames:
-                    if name.startswith("."):
-                        continue
-                    full = os.path.join(dirpath, name)
-                    rel = os.path.relpath(full, root).replace(os.sep, "/")
-                    if os.path.isfile(full):
-                        out.add(rel)
+        for dirpath, dirnames, filenames in os.walk(os.path.join(root, part)):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+            for name in filenames:
+                full = os.path.join(dirpath, name)
+                if not name.startswith(".") and os.path.isfile(full):
+                    out.add(os.path.relpath(full, root).replace(os.sep, "/"))
     return sorted(out)
 
 
 def marker_env():
     """PEP 508 marker variables, as packaging.markers.default_environment() computes them."""
-    impl = sys.implementation
-    iver = f"{impl.version.major}.{impl.version.minor}.{impl.version.micro}"
-    if impl.version.releaselevel != "final":
-        iver += impl.version.releaselevel[0] + str(impl.version.serial)
-    return {
-        "implementation_name": impl.name,
-        "implementation_version": iver,
-        "os_name": os.name,
-        "platform_machine": platform.machine(),
-        "platform_release": platform.release(),
-        "platform_system": platform.system(),
-        "platform_version": platform.version(),
-        "python_full_version": platform.python_version(),
-        "platform_python_implementation": platform.python_implementation(),
-        "python_version": ".".join(platform.python_version_tuple()[:2]),
-        "sys_platform": sys.platform,
-    }
+    v = sys.implementation.version
+    iver = f"{v.major}.{v.minor}.{v.micro}" + ("" if v.releaselevel == "final" else v.releaselevel[0] + str(v.serial))
+    return {"implementation_name": sys.implementation.name, "implementation_version": iver, "os_name": os.name,
+            "platform_machine": platform.machine(), "platform_release": platform.release(),
+            "platform_system": platform.system(), "platform_version": platform.version(),
+            "python_full_version": platform.python_version(),
+            "platform_python_implementation": platform.python_implementation(),
+            "python_version": ".".join(platform.python_version_tuple()[:2]), "sys_platform": sys.platform}
 
 
-def probe_python(params, fallback, why=""):
-    want = params.get("python") or ""
-    out = {
-        "why": why[-600:],
-        "requested": want,
-        "exists": bool(want) and os.path.exists(want),
-        "executable": os.path.exists(want) and os.access(want, os.X_OK),
-        "realpath": os.path.realpath(want) if want and os.path.exists(want) else None,
-        "running": sys.executable,
-        "running_realpath": os.path.realpath(sys.executable),
-        "fallback": fallback,
-        "version": platform.python_version(),
-        "prefix": sys.prefix,
-        "base_prefix": getattr(sys, "base_prefix", sys.prefix),
-    }
-    return out
-
-
-def dist_version(folder, fallback):
-    """The Version header of a dist-info's METADATA (an egg-info's PKG-INFO): what pip and
-    importlib.metadata report, even when the folder name says otherwise."""
-    for meta in ("METADATA", "PKG-INFO"):
-        try:
-            with open(os.path.join(folder, meta), encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    if line.startswith("Version:"):
-                        return line.split(":", 1)[1].strip()
-                    if not line.strip():
-                        break
-        except OSError:
-            continue
-    return fallback
+def probe_python(want, fallback, why):
+    exists = bool(want) and os.path.exists(want)
+    return {"requested": want, "exists": exists, "realpath": os.path.realpath(want) if exists else None,
+            "fallback": fallback, "why": why[-600:], "version": platform.python_version(), "prefix": sys.prefix}
 
 
 def installed_dists():
-    """{normalized name: version} of every distribution on sys.path, first one wins (the one
-    `import` and importlib.metadata see). Read straight from the *.dist-info / *.egg-info
-    folders: importing importlib.metadata alone costs ~0.1 s, a tenth of the time budget."""
+    """{normalized name: version} of every distribution on sys.path; the first one wins, as for import."""
+    from importlib import metadata
+
     dists = {}
-    for entry in sys.path:
-        try:
-            names = sorted(os.listdir(entry or "."))
-        except OSError:
-            continue
-        for n in names:
-            if n.endswith(".dist-info"):
-                stem = n[: -len(".dist-info")]
-            elif n.endswith(".egg-info"):
-                stem = n[: -len(".egg-info")]
-            else:
-                continue
-            parts = stem.split("-")
-            if len(parts) < 2:
-                continue
-            name = re.sub(r"[-_.]+", "-", parts[0]).lower()
-            if name not in dists:
-                dists[name] = dist_version(os.path.join(entry or ".", n), parts[1])
+    for d in metadata.distributions():
+        dists.setdefault(re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower(), d.version)
     return dists
-
-
-def probe_packages(names):
-    dists = installed_dists()
-    wanted = {}
-    for name in names:
-        wanted[name] = dists.get(re.sub(r"[-_.]+", "-", name).lower())
-    return {"wanted": wanted, "all": dists}
 
 
 def probe_mlx():
     """Import mlx.core from the interpreter under test and compute one small op."""
     t0 = time.monotonic()
-    try:
-        import mlx.core as mx
+    import mlx.core as mx
 
-        a = mx.array([1.0, 2.0, 3.0])
-        value = (a * 2).sum().item()
-        return {
-            "ok": abs(value - 12.0) < 1e-6,
-            "version": getattr(mx, "__version__", None),
-            "file": getattr(mx, "__file__", None),
-            "result": value,
-            "device": str(mx.default_device()),
-            "seconds": round(time.monotonic() - t0, 3),
-        }
-    except BaseException as e:  # ImportError, a crash in a broken wheel, anything
-        return {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    value = (mx.array([1.0, 2.0, 3.0]) * 2).sum().item()
+    return {"ok": abs(value - 12.0) < 1e-6, "version": getattr(mx, "__version__", None), "result": value,
+            "file": getattr(mx, "__file__", None), "device": str(mx.default_device()),
+            "seconds": round(time.monotonic() - t0, 3)}
 
 
-def probe_code(root, parts):
-    if not os.path.isdir(root):
-        return {"root_exists": False, "hashes": {}}
-    hashes = {}
-    for rel in iter_files(root, parts):
-        try:
-            hashes[rel] = sha256_file(os.path.join(root, rel))
-        except OSError as e:
-            hashes[rel] = "error: " + str(e)[:100]
-    return {"root_exists": True, "hashes": hashes}
-
-
-def probe_model(path, deep):
-    """{rel: [size, mtime, sha256 or None]} for every file of the model folder."""
-    if not path:
-        return None
-    if not os.path.isdir(path):
-        return {"exists": False, "files": {}}
+def probe_files(base, parts, deep):
+    """{rel: [size, mtime, sha256 or None]} of the files of `parts` under `base` (sha256 with `deep`)."""
     files = {}
-    for rel in iter_files(path, ["."]):
-        rel = rel[2:] if rel.startswith("./") else rel
-        full = os.path.join(path, rel)
+    for rel in iter_files(base, parts):
+        full = os.path.join(base, rel)
         st = os.stat(full)
         files[rel] = [st.st_size, int(st.st_mtime), sha256_file(full) if deep else None]
-    return {"exists": True, "files": files}
+    return files
 
 
-def probe_dataset(ddir):
-    """The host's manifest (sha256 of its bytes) and whether each split file matches it."""
-    if not ddir:
-        return None
-    mpath = os.path.join(ddir, "manifest.json")
-    if not os.path.isfile(mpath):
-        return {"exists": os.path.isdir(ddir), "manifest_sha256": None}
-    out = {"exists": True, "manifest_sha256": sha256_file(mpath), "bad": {}}
+def probe_root(root):
+    """Free disk at REMOTE_ROOT (or its nearest existing parent) and whether this ssh session
+    may list it: macOS privacy protection (TCC) refuses with EPERM, file modes with EACCES."""
+    path = root
+    while path != os.path.dirname(path) and not os.path.exists(path):
+        path = os.path.dirname(path)
+    st = os.statvfs(path or "/")
+    out = {"path": path, "free_bytes": st.f_bavail * st.f_frsize, "home": os.path.expanduser("~")}
     try:
-        with open(mpath, encoding="utf-8") as f:
-            manifest = json.load(f)
-        files = manifest.get("files") or {}
-    except (OSError, ValueError, AttributeError) as e:
-        out["error"] = "manifest.json unreadable: " + str(e)[:200]
-        return out
-    for name in sorted(files):
-        meta = files[name] if isinstance(files[name], dict) else {}
-        full = os.path.join(ddir, name)
-        if not os.path.isfile(full):
-            out["bad"][name] = "missing"
-            continue
-        size = os.path.getsize(full)
-        if "bytes" in meta and meta["bytes"] != size:
-            out["bad"][name] = f"{size} bytes, manifest says {meta['bytes']}"
-            continue
-        got = sha256_file(full)
-        if meta.get("sha256") != got:
-            out["bad"][name] = f"sha256 {got[:12]}, manifest says {str(meta.get('sha256'))[:12]}"
-    out["checked"] = len(files)
+        os.listdir(root)
+    except OSError as e:
+        out["errno"], out["error"] = errno.errorcode.get(e.errno, str(e.errno)), str(e)[:200]
     return out
 
 
-def probe_disk(root):
-    path = root
-    while path and not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    try:
-        st = os.statvfs(path or "/")
-    except OSError as e:
-        return {"error": str(e)}
-    return {"path": path, "free_bytes": st.f_bavail * st.f_frsize, "total_bytes": st.f_blocks * st.f_frsize}
-
-
 def probe_memory():
-    if sys.platform.startswith("linux"):
-        info = {}
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    k, _, v = line.partition(":")
-                    info[k] = int(v.split()[0]) * 1024
-        except (OSError, ValueError) as e:
-            return {"error": str(e)}
-        return {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable")}
+    """{"total_bytes", "available_bytes"}: /proc/meminfo on Linux; sysctl and vm_stat on macOS
+    (free + inactive + purgeable + speculative pages: what it hands out without swapping)."""
     if sys.platform == "darwin":
-        out = {}
-        try:
-            out["total_bytes"] = int(run(["sysctl", "-n", "hw.memsize"]).strip())
-            vm = run(["vm_stat"])
-            page = 16384
-            pages = {}
-            for line in vm.splitlines():
-                if "page size of" in line:
-                    page = int(line.split("page size of")[1].split()[0])
-                k, _, v = line.partition(":")
-                v = v.strip().rstrip(".")
-                if v.isdigit():
-                    pages[k.strip()] = int(v)
-            # What macOS can hand out without swapping: free + inactive + purgeable + speculative.
-            avail = sum(pages.get(k, 0) for k in ("Pages free", "Pages inactive", "Pages purgeable",
-                                                   "Pages speculative"))
-            out["available_bytes"] = avail * page
-        except Exception as e:  # OSError, ValueError, subprocess errors
-            out["error"] = str(e)[:200]
-        return out
-    return {"error": "unsupported platform " + sys.platform}
+        pages, page = {}, 16384
+        for line in run(["vm_stat"]).splitlines():
+            if "page size of" in line:
+                page = int(line.split("page size of")[1].split()[0])
+            k, _, v = line.partition(":")
+            if v.strip().rstrip(".").isdigit():
+                pages[k.strip()] = int(v.strip().rstrip("."))
+        avail = sum(pages.get("Pages " + k, 0) for k in ("free", "inactive", "purgeable", "speculative"))
+        return {"total_bytes": int(run(["sysctl", "-n", "hw.memsize"]).strip()), "available_bytes": avail * page}
+    with open("/proc/meminfo") as f:
+        info = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)}
+    return {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable")}
 
 
 def probe_ips(ips):
     """An address is this host's exactly when a socket can bind to it."""
     out = {}
     for ip in ips:
-        fam = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        s = socket.socket(fam, socket.SOCK_STREAM)
-        try:
-            s.bind((ip, 0))
-            out[ip] = True
-        except OSError:
-            out[ip] = False
-        finally:
-            s.close()
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+            try:
+                s.bind((ip, 0))
+                out[ip] = True
+            except OSError:
+                out[ip] = False
     return out
 
 
-def probe_link(peers, port, timeout, tries=7, enough_ms=None):
-    """Round trip to each peer IP as the TCP handshake time to `port`, the minimum of up to
-    `tries`: the handshake is answered by the peer's kernel, so the minimum is the wire's round
-    trip and the rest is this host's scheduling (a busy host wakes the prober late). A refused
-    connection still answered, so it still measures the round trip. Once two handshakes are
-    in and the best is under `enough_ms` (far below any threshold), the rest are skipped: each
-    accepted connection makes the peer's sshd start a process."""
+def probe_link(peers, port, timeout, enough_ms, tries=7):
+    """Round trip to each peer IP: the minimum TCP handshake time to `port` over up to `tries`
+    (the peer's kernel answers; the rest is this host's scheduling). A refused connection is an
+    answer too. After two handshakes under `enough_ms` the rest are skipped: each accepted one
+    makes the peer's sshd start a process. A dead peer costs one timeout."""
     out = {}
     for ip in peers:
         best, err, n = None, None, 0
-        for _ in range(tries):
-            fam = socket.AF_INET6 if ":" in ip else socket.AF_INET
-            s = socket.socket(fam, socket.SOCK_STREAM)
-            s.settimeout(timeout)
-            t0 = time.perf_counter()
-            try:
-                s.connect((ip, port))
+        while n < tries and not (n >= 2 and best * 1000 < enough_ms):
+            with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+                s.settimeout(timeout)
+                t0 = time.perf_counter()
+                try:
+                    s.connect((ip, port))
+                except ConnectionRefusedError:
+                    pass
+                except OSError as e:
+                    err = f"{type(e).__name__}: {e}"
+                    break
                 dt = time.perf_counter() - t0
-            except ConnectionRefusedError:
-                dt = time.perf_counter() - t0
-            except OSError as e:
-                err = f"{type(e).__name__}: {e}"
-                dt = None
-            finally:
-                s.close()
-            if dt is None:
-                break  # a dead peer costs one timeout, not `tries` of them
-            best = dt if best is None else min(best, dt)
-            n += 1
-            if enough_ms is not None and n >= 2 and best * 1000 < enough_ms:
-                break
+            best, n = dt if best is None else min(best, dt), n + 1
         out[ip] = {"rtt_ms": None if best is None else round(best * 1000, 3), "tries": n,
-                   "error": None if best is not None else err}
+                   "error": err if best is None else None}
     return out
 
 
@@ -334,54 +179,41 @@ def run(argv):
 
 def probe_macos(want_rdma):
     """Raw output of the macOS network tools; lib/parity.py parses it on the orchestrator."""
-    out = {}
-    cmds = {
-        "networksetup": ["networksetup", "-listallhardwareports"],
-        "ifconfig": ["ifconfig"],
-        "system_profiler": ["system_profiler", "SPThunderboltDataType", "-json"],
-    }
+    cmds = {"networksetup": ["networksetup", "-listallhardwareports"], "ifconfig": ["ifconfig"],
+            "system_profiler": ["system_profiler", "SPThunderboltDataType", "-json"]}
     if want_rdma:
         cmds["ibv_devices"] = ["ibv_devices"]
-    for key, argv in cmds.items():
-        try:
-            out[key] = run(argv)
-        except Exception as e:  # OSError, subprocess errors (a missing tool, a timeout)
-            out[key] = None
-            out[key + "_error"] = str(e)[:200]
-    return out
+    return {key: guard(run, argv) for key, argv in cmds.items()}
+
+
+def guard(fn, *args):
+    """fn(*args), or {"error": ...}: one failing fact must not hide the others."""
+    try:
+        return fn(*args)
+    except BaseException as e:  # ImportError, a crash in a broken wheel, a missing tool, anything
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def main(argv):
     t0 = time.monotonic()
-    params = json.loads(argv[1]) if len(argv) > 1 else {}
+    p = json.loads(argv[1]) if len(argv) > 1 else {}
     fallback = len(argv) > 2 and argv[2] == "--fallback"
-    why = argv[3] if fallback and len(argv) > 3 else ""
-    root = params.get("remote_root") or ""
-    res = {"probe_version": PROBE_VERSION}
-
-    def guard(key, fn, *a):
-        try:
-            res[key] = fn(*a)
-        except Exception as e:  # one failing fact must not hide the others
-            res[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-
-    res["host"] = {"hostname": socket.gethostname(), "system": platform.system(),
-                   "machine": platform.machine(), "pid": os.getpid()}
-    guard("python", probe_python, params, fallback, why)
-    res["marker_env"] = marker_env()
-    if not fallback:
-        guard("packages", probe_packages, params.get("packages", []))
-        guard("mlx", probe_mlx)
-    guard("code", probe_code, root, params.get("code_parts", []))
-    guard("model", probe_model, params.get("model_path"), bool(params.get("deep")))
-    guard("dataset", probe_dataset, params.get("dataset_path"))
-    guard("disk", probe_disk, root)
-    guard("memory", probe_memory)
-    guard("ips", probe_ips, params.get("own_ips", []))
-    guard("link", probe_link, params.get("peers", []), int(params.get("link_port", 22)),
-          float(params.get("link_timeout", 1.0)), 7, params.get("link_enough_ms"))
-    if sys.platform == "darwin":
-        guard("macos", probe_macos, bool(params.get("rdma")))
+    root, parts = p.get("remote_root") or "/", p.get("parts") or ["runtime", "content"]
+    res = {"probe_version": 2, "system": platform.system(), "marker_env": marker_env(),
+           "python": probe_python(p.get("python") or "", fallback, argv[3] if len(argv) > 3 else ""),
+           "disk": guard(probe_root, root), "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
+    if "runtime" in parts:
+        if not fallback:
+            res.update(packages=guard(installed_dists), mlx=guard(probe_mlx))
+        res.update(memory=guard(probe_memory), ips=guard(probe_ips, p.get("own_ips", [])),
+                   link=guard(probe_link, p.get("peers", []), int(p.get("link_port", 22)),
+                              float(p.get("link_timeout", 1.0)), float(p.get("link_enough_ms", 0.5))))
+        if sys.platform == "darwin":
+            res["macos"] = probe_macos(bool(p.get("rdma")))
+    if "content" in parts:  # code and dataset always hashed; the model with --deep
+        res["code"] = guard(probe_files, root, p.get("code_parts", []), True)
+        res["model"] = guard(probe_files, p.get("model_path") or "/nonexistent", ["."], bool(p.get("deep")))
+        res["dataset"] = guard(probe_files, p.get("dataset_path") or "/nonexistent", p.get("dataset_parts", []), True)
     res["seconds"] = round(time.monotonic() - t0, 3)
     sys.stdout.write(json.dumps(res, sort_keys=True) + "\n")
     return 0

@@ -183,7 +183,7 @@ def test_probe_runs_on_old_system_pythons(version, tmp_path):
     p = run([exe, "-c", parity.PROBE_SOURCE.read_text(), json.dumps(params), "--fallback", "missing"])
     facts = parity.parse_probe_output(p.stdout)
     assert facts["python"]["version"].startswith(version) and facts["python"]["fallback"] is True
-    assert facts["code"]["hashes"] == hashing.tree_hashes(ROOT, parity.CODE_PARTS)
+    assert {k: v[2] for k, v in facts["code"].items()} == hashing.tree_hashes(ROOT, parity.CODE_PARTS)
     assert facts["ips"] == {"127.0.0.1": True} and facts["link"]["127.0.0.1"]["rtt_ms"] is not None
 
 
@@ -296,10 +296,11 @@ def test_host_without_any_python_still_reports_disk(tmp_path):
     mod = load_script("check_parity")
     args = mod.build_parser().parse_args(["--hostfile", "hostfile.local.json", "--python", "/x/bin/python",
                                           "--remote-root", str(tmp_path / "root")])
+    mod.validate_inputs(args)
+    args.self_hosts = set()
     hf = parse_hostfile([{"ssh": "mac5", "ips": ["10.0.5.5"]}])
-    inp = {"root": str(tmp_path / "root"), "model_local": None, "model_remote": None, "model_check": None}
-    ref = {"code": {}, "lock": (ROOT / "requirements.lock").read_text()}
-    checks = mod.evaluate(args, hf, inp, ref, {"mac5": (facts, Result("mac5", 0, p.stdout, ""))}, {"mac5": 0.1})
+    ref = {"code": {}, "model": None, "dataset": None, "lock": (ROOT / "requirements.lock").read_text()}
+    checks = mod.evaluate(args, hf, ref, {"mac5": (facts, Result("mac5", 0, p.stdout, ""), 0.1)})
     st = {c["name"]: c for c in checks if c["host"] == "mac5"}
     assert st["runtime.python"]["status"] == "fail" and "no Python at all" in st["runtime.python"]["detail"]
     assert st["resources.disk"]["status"] == "pass" and "code" not in st
@@ -342,7 +343,7 @@ def test_remote_root_missing_fails(tmp_path):
     rc, out = check_parity("--model=", "--dataset=", remote_root=tmp_path / "nowhere", state_dir=tmp_path)
     assert rc == 2
     [c] = failing(out, "code")
-    assert "does not exist on this host" in c["detail"]
+    assert "none of its" in c["detail"] and "not synced yet" in c["detail"] and "make sync" in c["fix"]
 
 
 def make_model(path: Path) -> Path:
@@ -406,7 +407,7 @@ def test_model_prefilter_and_deep_hash(tree, local_data, tmp_path):
     rc, out = check_parity(*args, "--deep", **kw)
     assert rc == 2
     [c] = failing(out, "model")
-    assert "sha256 differs: model.safetensors" in c["detail"]
+    assert "differs: model.safetensors" in c["detail"]
     # a newer mtime with the same size: a warning that points at DEEP=1
     os.utime(w, (st.st_atime, st.st_mtime + 60))
     rc, out = check_parity(*args, **kw)
@@ -436,12 +437,12 @@ def test_dataset_file_changed_on_host(tree, local_data, tmp_path):
     rc, out = check_parity(*args, **kw)
     assert rc == 2
     [c] = failing(out, "dataset")
-    assert "valid.jsonl: sha256" in c["detail"] and "make sync" in c["fix"]
+    assert "differs: valid.jsonl" in c["detail"] and "make sync" in c["fix"]
     shutil.rmtree(rr / "datasets")
     rc, out = check_parity(*args, **kw)
     assert rc == 1
     [c] = [c for c in out["checks"] if c["name"] == "dataset"]
-    assert c["status"] == "warn" and "not synced to this host yet" in c["detail"]
+    assert c["status"] == "warn" and "not synced yet" in c["detail"]
 
 
 def test_overlapping_run_exits_3_at_once(tmp_path):
@@ -669,7 +670,7 @@ def test_fabric_changed_lib_file(fab, fab_data, tmp_path):
     rc, out = fab_check(fab, fab_data, state_dir=tmp_path)
     assert rc == 2
     c = only_fab2_fails(out, "code")
-    assert c["detail"] == "differs: lib/hostfile.py" and "make sync" in c["fix"]
+    assert c["detail"] == f"{fab.remote_root}: differs: lib/hostfile.py" and "make sync" in c["fix"]
 
 
 @pytest.mark.fabric
@@ -682,7 +683,7 @@ def test_fabric_changed_dataset_file(fab, fab_data, tmp_path):
     rc, out = fab_check(fab, fab_data, state_dir=tmp_path)
     assert rc == 2
     c = only_fab2_fails(out, "dataset")
-    assert f"datasets/{fab_data}: train.jsonl: sha256" in c["detail"] and "make sync" in c["fix"]
+    assert f"datasets/{fab_data}: differs: train.jsonl" in c["detail"] and "make sync" in c["fix"]
 
 
 @pytest.mark.fabric
