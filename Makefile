@@ -31,6 +31,11 @@ PYTHON      ?= $(REMOTE_ROOT)/.venv/bin/python
 ARCH        ?= gemma4
 SEED        ?=
 TINY_SEED   ?= 0
+LAYOUT      ?= text
+QUANT       ?=
+HF_REPO     ?=
+REVISION    ?=
+QUANTIZE    ?=
 HOSTS       ?= 2
 JSON        ?=
 DEEP        ?=
@@ -90,20 +95,27 @@ $(STAMPS):
 	mkdir -p $@
 
 # ---- generated inputs ----------------------------------------------------------
-## tiny-model: generate models/tiny-$(ARCH) (random weights, local BPE tokenizer; ARCH=gemma4|llama)
+## tiny-model: generate models/tiny-$(ARCH) (random weights, local BPE tokenizer; ARCH=gemma4|llama; LAYOUT=released and QUANT=4|8 add -released, -q4)
 .PHONY: tiny-model
-tiny-model: models/tiny-$(ARCH)/config.json
+tiny-model: models/tiny-$(ARCH)$(if $(filter released,$(LAYOUT)),-released)$(if $(QUANT),-q$(QUANT))/config.json
 
 # Not on $(LIB): the generator is deterministic and a rebuilt model (new mtime) would show as
 # changed on every host; a change to the generator itself does rebuild it, and so does
 # another TINY_SEED (its stamp is rewritten only when the seed changes).
+# The folder name says what is in it: tiny-<arch>[-released][-q4|-q8].
+tiny_words = $(subst -, ,$*)
 models/tiny-%/config.json: bin/make_tiny_model.py $(VENV)/.stamp $(STAMPS)/tiny-%.seed
-	$(PY) bin/make_tiny_model.py --arch $* --seed $(TINY_SEED) --out models/tiny-$*
+	$(PY) bin/make_tiny_model.py --arch $(firstword $(tiny_words)) --seed $(TINY_SEED) --out models/tiny-$*$(if $(filter released,$(tiny_words)), --layout released)$(if $(filter q4 q8,$(tiny_words)), --quantize $(patsubst q%,%,$(filter q4 q8,$(tiny_words))))
 
 .PRECIOUS: $(STAMPS)/tiny-%.seed
 $(STAMPS)/tiny-%.seed: export TINY_SEED_VALUE = $(TINY_SEED)
 $(STAMPS)/tiny-%.seed: FORCE | $(STAMPS)
 	@printf '%s\n' "$$TINY_SEED_VALUE" > $@.tmp; if cmp -s $@.tmp $@; then rm -f $@.tmp; else mv -f $@.tmp $@; fi
+
+## model: fetch HF_REPO from the Hugging Face Hub into MODEL (REVISION=tag|branch|commit, QUANTIZE=4|8 with mlx-lm's convert; provenance.json); REPLACE=1 replaces another model there
+.PHONY: model
+model: $(VENV)/.stamp
+	$(call need,HF_REPO)$(call need,MODEL)$(PY) bin/model.py --repo $(HF_REPO) --out $(MODEL)$(if $(REVISION), --revision $(REVISION))$(if $(QUANTIZE), --quantize $(QUANTIZE))$(if $(REPLACE), --replace)
 
 ## sample-corpus: write datasets/sample/corpus.jsonl from CPython's pydoc_data.topics
 .PHONY: sample-corpus

@@ -2,42 +2,34 @@
 """tiny-model: a randomly initialized model that mlx-lm loads, for tests and the demo.
 
 Usage:
-    python bin/make_tiny_model.py --arch gemma4|llama --seed N --out DIR
-                                  [--vocab-size N] [--dtype float32|bfloat16|float16] [--force]
+    python bin/make_tiny_model.py --arch gemma4|llama --seed N --out DIR [--layout text|released]
+        [--quantize 4|8] [--vocab-size N] [--dtype float32|bfloat16|float16] [--force]
 
 Example:
     .venv/bin/python bin/make_tiny_model.py --arch gemma4 --seed 0 --out models/tiny-gemma4
+    .venv/bin/python bin/make_tiny_model.py --arch gemma4 --layout released --quantize 4 --out models/tiny-gemma4-released-q4
 
-What it writes into DIR (the Hugging Face layout `mlx_lm.utils.load` and
-`mlx_lm lora --model DIR` read, no network needed):
-    config.json            the architecture (mlx-lm's `gemma4_text` or `llama`) at tiny sizes,
-                           plus a `thunder_runbook` block naming the generator, arch and seed
-    model.safetensors      random weights: every Linear and Embedding ~ N(0, 0.02^2), drawn
-                           by numpy from a stream seeded by (seed, sha256 of the tensor name);
-                           norms and scalars keep their initial ones
-    tokenizer.json         byte-level BPE trained here with `tokenizers` on CPython's
-                           `pydoc_data.topics` (the sample corpus's source), with the
-                           family's special tokens: Gemma 4 `<bos> <eos> <pad> <unk>` and the
-                           turn markers `<|turn>` `<turn|>`; Llama 3 `<|begin_of_text|>`,
-                           `<|eot_id|>`, `<|start_header_id|>`, `<|end_header_id|>` ...
-    tokenizer_config.json  special tokens and a chat template in the family's own turn format
-                           (system, user, assistant roles; add_generation_prompt)
-    special_tokens_map.json
-    provenance.json        how it was made: generator version, arch, seed, dtype, parameter
-                           count, the CPython whose topics trained the tokenizer (and their
-                           sha256), package versions, and the sha256 of every other file
+DIR gets the Hugging Face layout `mlx_lm.utils.load` reads offline: config.json (the architecture
+at tiny sizes plus a `thunder_runbook` block), model.safetensors (every Linear and Embedding
+~ N(0, 0.02^2) from numpy seeded by (seed, sha256 of the tensor name); norms keep their init),
+tokenizer.json (byte-level BPE trained here on CPython's `pydoc_data.topics`, with the family's
+special tokens), tokenizer_config.json (the family's chat template), special_tokens_map.json and
+provenance.json (generator, layout, quantization, seed, versions, every file's sha256).
 
-The gemma4 model keeps what makes Gemma 4 E2B distinctive, at toy sizes: sliding and full
-attention layers (different head sizes, proportional RoPE on full layers), KV-shared
-layers with double-wide MLPs, per-layer input embeddings, logit soft-capping, tied embeddings.
+gemma4 keeps Gemma 4 E2B's traits at toy sizes: sliding and full attention, KV-shared layers with
+double-wide MLPs, per-layer input embeddings, logit soft-capping, tied embeddings. --layout text
+is mlx-lm's `gemma4_text` (`model.*`); --layout released is Gemma 4's released checkpoint: the
+`gemma4` wrapper config (`text_config`, small `vision_config` and `audio_config`), the same text
+weights as `model.language_model.*` (same logits for the same seed) and small vision and audio
+towers (shape-only stand-ins) that mlx-lm's gemma4 sanitize() drops on load. --quantize runs
+mlx-lm's own quantize_model (what `mlx_lm convert -q` runs: affine, group size 64; layers whose
+input size 64 does not divide stay float) and writes `quantization` as mlx-lm does; the released
+form keeps its towers in float at the top level, as the Hub's MLX 4-bit Gemma 4 conversions do.
 
-Deterministic: the same seed, CPython and package versions give byte-identical files
-(tokenizer training runs single-threaded, JSON keys are sorted, safetensors metadata is
-fixed, no timestamps). The tokenizer depends on the CPython version's pydoc topics.
-Before the new folder replaces DIR it is loaded back with mlx-lm and checked (finite
-logits, tokenizer round trip, the chat template's prompt is a prefix of the full
-conversation); DIR is replaced atomically, and only when it is a model this script made
-(or with --force).
+Deterministic: the same seed, CPython and package versions give byte-identical files. The new
+folder is loaded back with mlx-lm and checked (finite logits, tokenizer round trip, the chat
+template's prompt a prefix of the conversation) before it replaces DIR atomically, and only
+when DIR is a model this script made (or with --force).
 """
 
 from __future__ import annotations
@@ -49,6 +41,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -64,77 +57,70 @@ from lib.hashing import sha256_file  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 
 GENERATOR = "bin/make_tiny_model.py"
-VERSION = 1
+VERSION = 2
 ANCHOR = "generated-inputs"
 INIT_STD = 0.02
+GROUP_SIZE = 64  # mlx-lm's default affine group size (mlx_lm convert -q)
+# Shape-only stand-ins for the released checkpoint's vision and audio towers (mlx-lm drops them).
+TOWERS = {
+    "model.vision_tower.patch_embedder.input_proj.weight": (32, 48),
+    "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight": (32, 32),
+    "model.vision_tower.encoder.layers.0.mlp.down_proj.linear.weight": (32, 64),
+    "model.embed_vision.embedding_projection.weight": (64, 32),
+    "model.audio_tower.layers.0.self_attn.q_proj.linear.weight": (32, 32),
+    "model.audio_tower.layers.0.feed_forward1.ffw_layer_2.linear.weight": (32, 64),
+    "model.embed_audio.embedding_projection.weight": (64, 32),
+}
 MAX_POSITIONS = 4096
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+
+def chat_template(assistant: str, head: str, tail: str) -> str:
+    """A family's turn format in Jinja: `head` + content + `tail` per message (head sees `role`,
+    the assistant's named `assistant`); a system message only first, no other roles; content a
+    string or a list of text parts; add_generation_prompt opens the assistant's turn."""
+    return (
+        "{{- bos_token -}}\n"
+        "{%- for message in messages -%}\n"
+        "  {%- if message['role'] == 'system' and not loop.first -%}\n"
+        "    {{- raise_exception('a system message must come first') -}}\n"
+        "  {%- endif -%}\n"
+        "  {%- if message['role'] not in ['system', 'user', 'assistant'] -%}\n"
+        "    {{- raise_exception('unknown role: ' + message['role']) -}}\n"
+        "  {%- endif -%}\n"
+        "  {%- set role = '@A@' if message['role'] == 'assistant' else message['role'] -%}\n"
+        "  {%- if message['content'] is string -%}{%- set content = message['content'] -%}\n"
+        "  {%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
+        " | map(attribute='text') | join('\\n') -%}\n"
+        "  {%- endif -%}\n"
+        "  {{- @H@ + content | trim + @T@ -}}\n"
+        "{%- endfor -%}\n"
+        "{%- if add_generation_prompt -%}{%- set role = '@A@' -%}{{- @H@ -}}{%- endif -%}\n"
+    ).replace("@A@", assistant).replace("@H@", head).replace("@T@", tail)
+
+
 # Each family's special tokens, in id order (ids 0..n-1), and its turn format.
 FAMILIES = {
     "gemma4": {
         "specials": ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"],
-        "bos": "<bos>",
-        "eos": "<eos>",
-        "pad": "<pad>",
-        "unk": "<unk>",
+        "bos": "<bos>", "eos": "<eos>", "pad": "<pad>", "unk": "<unk>",
         "turn_markers": ["<|turn>", "<turn|>"],
         "stop": ["<eos>", "<turn|>"],  # config.json eos_token_id: generation stops at either
         # Gemma 4's format: <bos><|turn>system\n...<turn|>\n<|turn>user\n...<turn|>\n<|turn>model\n
-        "chat_template": (
-            "{{- bos_token -}}\n"
-            "{%- for message in messages -%}\n"
-            "  {%- if message['role'] == 'system' and not loop.first -%}\n"
-            "    {{- raise_exception('a system message must come first') -}}\n"
-            "  {%- endif -%}\n"
-            "  {%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}\n"
-            "  {%- elif message['role'] in ['system', 'user'] -%}{%- set role = message['role'] -%}\n"
-            "  {%- else -%}{{- raise_exception('unknown role: ' + message['role']) -}}\n"
-            "  {%- endif -%}\n"
-            "  {%- if message['content'] is string -%}{%- set content = message['content'] -%}\n"
-            "  {%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
-            " | map(attribute='text') | join('\\n') -%}\n"
-            "  {%- endif -%}\n"
-            "  {{- '<|turn>' + role + '\\n' + content | trim + '<turn|>\\n' -}}\n"
-            "{%- endfor -%}\n"
-            "{%- if add_generation_prompt -%}{{- '<|turn>model\\n' -}}{%- endif -%}\n"
-        ),
+        "chat_template": chat_template("model", "'<|turn>' + role + '\\n'", "'<turn|>\\n'"),
     },
     "llama": {
-        "specials": [
-            "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>", "<|finetune_right_pad_id|>",
-        ],
-        "bos": "<|begin_of_text|>",
-        "eos": "<|eot_id|>",
-        "pad": "<|finetune_right_pad_id|>",
-        "unk": None,
+        "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                     "<|eot_id|>", "<|finetune_right_pad_id|>"],
+        "bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "pad": "<|finetune_right_pad_id|>", "unk": None,
         "turn_markers": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
         "stop": ["<|end_of_text|>", "<|eot_id|>"],
         # Llama 3's format: <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n...<|eot_id|>
-        "chat_template": (
-            "{{- bos_token -}}\n"
-            "{%- for message in messages -%}\n"
-            "  {%- if message['role'] == 'system' and not loop.first -%}\n"
-            "    {{- raise_exception('a system message must come first') -}}\n"
-            "  {%- endif -%}\n"
-            "  {%- if message['role'] not in ['system', 'user', 'assistant'] -%}\n"
-            "    {{- raise_exception('unknown role: ' + message['role']) -}}\n"
-            "  {%- endif -%}\n"
-            "  {%- if message['content'] is string -%}{%- set content = message['content'] -%}\n"
-            "  {%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
-            " | map(attribute='text') | join('\\n') -%}\n"
-            "  {%- endif -%}\n"
-            "  {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
-            " + content | trim + '<|eot_id|>' -}}\n"
-            "{%- endfor -%}\n"
-            "{%- if add_generation_prompt -%}\n"
-            "  {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}\n"
-            "{%- endif -%}\n"
-        ),
+        "chat_template": chat_template("assistant", "'<|start_header_id|>' + role + '<|end_header_id|>\\n\\n'",
+                                       "'<|eot_id|>'"),
     },
 }
 
@@ -149,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="model folder to (re)write")
     p.add_argument("--vocab-size", type=int, default=3072, help="BPE vocabulary incl. specials (default 3072)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--layout", default="text", choices=["text", "released"],
+                   help="gemma4 only: text (gemma4_text) or Gemma 4's released wrapper layout (default text)")
+    p.add_argument("--quantize", type=int, choices=[4, 8], help="bits: quantize with mlx-lm's quantize_model")
     p.add_argument("--force", action="store_true", help="replace --out even if this script did not make it")
     return p
 
@@ -177,52 +166,30 @@ def model_config(arch: str, tok: dict, vocab: int, dtype: str, seed: int) -> dic
             **common,
             "architectures": ["Gemma4ForCausalLM"],
             "model_type": "gemma4_text",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 6,
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
             # 2 sliding : 1 full; the last layer is full attention, as in Gemma 4
             "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
-            "sliding_window": 64,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 1,
-            "head_dim": 16,
-            "global_head_dim": 32,
+            "sliding_window": 64, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "head_dim": 16, "global_head_dim": 32,
             # the last 2 layers reuse the K/V of the last sliding and full layer before them
             "num_kv_shared_layers": 2,
             "use_double_wide_mlp": True,
-            "hidden_size_per_layer_input": 16,
-            "vocab_size_per_layer_input": vocab,
+            "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": vocab,
             "rope_parameters": {
-                "full_attention": {
-                    "partial_rotary_factor": 0.25,
-                    "rope_theta": 1000000.0,
-                    "rope_type": "proportional",
-                },
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
                 "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
             },
-            "attention_k_eq_v": False,
-            "enable_moe_block": False,
-            "final_logit_softcapping": 30.0,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": True,
+            "attention_k_eq_v": False, "enable_moe_block": False, "final_logit_softcapping": 30.0,
+            "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
         }
     return {
         **common,
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 176,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": False,
+        "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
     }
 
 
@@ -231,11 +198,8 @@ def training_text() -> tuple[list[str], str]:
     try:
         from pydoc_data.topics import topics
     except ImportError as e:
-        raise RunbookError(
-            f"this Python ({sys.executable}) has no pydoc_data.topics ({e}); run with the "
-            "project's .venv/bin/python",
-            ANCHOR,
-        ) from e
+        raise RunbookError(f"this Python ({sys.executable}) has no pydoc_data.topics ({e}); run with the "
+                           "project's .venv/bin/python", ANCHOR) from e
     texts = [topics[k] for k in sorted(topics)]
     h = hashlib.sha256()
     for k in sorted(topics):
@@ -244,16 +208,7 @@ def training_text() -> tuple[list[str], str]:
 
 
 def train_tokenizer(arch: str, vocab_size: int, texts: list[str]) -> dict:
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     fam = FAMILIES[arch]
     tok = Tokenizer(models.BPE())
@@ -303,13 +258,18 @@ def tokenizer_files(arch: str, tok: dict) -> tuple[dict, dict]:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
         "chat_template": fam["chat_template"],
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": MAX_POSITIONS,
-        "padding_side": "right",
+        "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "model_max_length": MAX_POSITIONS, "padding_side": "right",
     }
     return config, special_map
+
+
+def normal(seed: int, name: str, shape: tuple) -> "np.ndarray":
+    """N(0, INIT_STD^2) from numpy's stream seeded by (seed, sha256(name)[:8])."""
+    import numpy as np
+
+    key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+    return np.random.default_rng([seed, key]).standard_normal(shape, dtype=np.float32) * np.float32(INIT_STD)
 
 
 def init_weights(config: dict, seed: int, dtype: str) -> tuple[dict, int]:
@@ -322,22 +282,54 @@ def init_weights(config: dict, seed: int, dtype: str) -> tuple[dict, int]:
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    random_init = {
-        f"{name}.weight"
-        for name, m in model.named_modules()
-        if isinstance(m, (nn.Linear, nn.Embedding))
-    }
+    random_init = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
     weights = {}
     for name, value in sorted(tree_flatten(model.parameters())):
-        if name in random_init:
-            key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
-            rng = np.random.default_rng([seed, key])
-            arr = rng.standard_normal(value.shape, dtype=np.float32) * np.float32(INIT_STD)
-        else:
-            arr = np.array(value, dtype=np.float32)  # norms, layer scalars: keep the module's init
+        # norms, layer scalars: keep the module's init
+        arr = normal(seed, name, value.shape) if name in random_init else np.array(value, dtype=np.float32)
         weights[name] = mx.array(arr).astype(getattr(mx, dtype))
     count = sum(int(np.prod(v.shape)) for v in weights.values())
     return weights, count
+
+
+def released_layout(config: dict, weights: dict, seed: int) -> tuple[dict, dict]:
+    """Gemma 4's released checkpoint around the text model: the gemma4 wrapper config, the text
+    weights under model.language_model.*, and the vision and audio towers mlx-lm drops."""
+    import mlx.core as mx
+
+    top = ("architectures", "thunder_runbook", "torch_dtype")
+    wrapper = {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": {k: v for k, v in config.items() if k not in top},
+        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64,
+                          "num_hidden_layers": 1, "num_attention_heads": 2, "patch_size": 4},
+        "audio_config": {"model_type": "gemma4_audio", "hidden_size": 32, "num_hidden_layers": 1,
+                         "num_attention_heads": 2, "output_proj_dims": 32},
+        # mlx-lm's gemma4.ModelArgs copies this into text_config (its default is 262,144)
+        "vocab_size": config["vocab_size"],
+        **{k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", *top[1:])},
+    }
+    dtype = next(iter(weights.values())).dtype
+    out = {"model.language_model." + k.removeprefix("model."): v for k, v in weights.items()}
+    out.update({name: mx.array(normal(seed, name, shape)).astype(dtype) for name, shape in TOWERS.items()})
+    return wrapper, out
+
+
+def quantize(config: dict, weights: dict, bits: int) -> tuple[dict, dict]:
+    """mlx-lm's own quantize_model on the model mlx-lm builds from config and weights (sanitize()
+    included); the towers it drops are kept in float under their top-level names."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes, quantize_model
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.load_weights(list(model.sanitize(dict(weights)).items()))
+    with contextlib.redirect_stdout(sys.stderr):  # its "[INFO] Quantized ..." line
+        model, config = quantize_model(model, config, GROUP_SIZE, bits)
+    config["quantization_config"] = config["quantization"]  # as mlx-lm's save_config writes it
+    towers = {k.removeprefix("model."): v for k, v in weights.items() if k in TOWERS}
+    return config, {**dict(tree_flatten(model.parameters())), **towers}
 
 
 def verify(path: Path, arch: str, sample: str) -> None:
@@ -380,11 +372,27 @@ def check_replaceable(out: Path, force: bool) -> None:
     except (OSError, ValueError, AttributeError):
         ours = False
     if not ours:
-        raise RunbookError(
-            f"{out} exists and was not made by {GENERATOR} (no provenance.json naming it); "
-            "refusing to replace it: choose another --out, or pass --force to overwrite",
-            ANCHOR,
-        )
+        raise RunbookError(f"{out} exists and was not made by {GENERATOR} (no provenance.json naming it); "
+                           "refusing to replace it: choose another --out, or pass --force to overwrite", ANCHOR)
+
+
+def provenance(args, config: dict, tok: dict, text_sha: str, n_params: int, files: dict) -> dict:
+    return {
+        "generator": GENERATOR, "generator_version": VERSION, "arch": args.arch, "layout": args.layout,
+        "quantization": config.get("quantization"), "model_type": config["model_type"],
+        "seed": args.seed, "dtype": args.dtype, "parameters": n_params,
+        "init": f"Linear and Embedding weights ~ N(0, {INIT_STD}^2), numpy default_rng"
+                "([seed, sha256(name)[:8]]); other parameters keep the module's init",
+        "tokenizer": {
+            "type": "byte-level BPE (tokenizers)", "vocab_size": tok["vocab"], "min_frequency": 2,
+            "special_tokens": tok["ids"],
+            "trained_on": f"cpython-{platform.python_version()}/pydoc_data.topics",
+            "trained_on_sha256": text_sha,
+        },
+        "python": platform.python_version(),
+        "packages": {p: pkg_version(p) for p in ("mlx", "mlx-lm", "numpy", "tokenizers")},
+        "files": files,
+    }
 
 
 def main() -> int:
@@ -393,12 +401,19 @@ def main() -> int:
     try:
         if not 512 <= args.vocab_size <= 65536:
             raise RunbookError(f"--vocab-size {args.vocab_size} is out of range: use 512..65536", ANCHOR)
+        if args.layout == "released" and args.arch != "gemma4":
+            raise RunbookError("--layout released is Gemma 4's released layout: use it with --arch gemma4", ANCHOR)
         check_replaceable(args.out, args.force)
         texts, text_sha = training_text()
         tok = train_tokenizer(args.arch, args.vocab_size, texts)
         config = model_config(args.arch, tok, tok["vocab"], args.dtype, args.seed)
+        config["thunder_runbook"].update(layout=args.layout, quantize=args.quantize)
         tok_config, special_map = tokenizer_files(args.arch, tok)
         weights, n_params = init_weights(config, args.seed, args.dtype)
+        if args.layout == "released":
+            config, weights = released_layout(config, weights, args.seed)
+        if args.quantize:
+            config, weights = quantize(config, weights, args.quantize)
 
         import mlx.core as mx
 
@@ -409,53 +424,16 @@ def main() -> int:
             atomic.write_json(tmp / "special_tokens_map.json", special_map)
             mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
             files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-            provenance = {
-                "generator": GENERATOR,
-                "generator_version": VERSION,
-                "arch": args.arch,
-                "model_type": config["model_type"],
-                "seed": args.seed,
-                "dtype": args.dtype,
-                "parameters": n_params,
-                "init": f"Linear and Embedding weights ~ N(0, {INIT_STD}^2), numpy default_rng"
-                        "([seed, sha256(name)[:8]]); other parameters keep the module's init",
-                "tokenizer": {
-                    "type": "byte-level BPE (tokenizers)",
-                    "vocab_size": tok["vocab"],
-                    "min_frequency": 2,
-                    "special_tokens": tok["ids"],
-                    "trained_on": f"cpython-{platform.python_version()}/pydoc_data.topics",
-                    "trained_on_sha256": text_sha,
-                },
-                "python": platform.python_version(),
-                "packages": {p: pkg_version(p) for p in ("mlx", "mlx-lm", "numpy", "tokenizers")},
-                "files": files,
-            }
-            atomic.write_json(tmp / "provenance.json", provenance)
-            sample = " ".join(texts[0].split("\n\n")[2].split())
-            verify(tmp, args.arch, sample)
-            # temp files are created private (0600/0700); a model folder is shared data
-            mask = os.umask(0)
-            os.umask(mask)
-            for p in tmp.iterdir():
-                p.chmod(0o666 & ~mask)
-            tmp.chmod(0o777 & ~mask)
+            atomic.write_json(tmp / "provenance.json", provenance(args, config, tok, text_sha, n_params, files))
+            verify(tmp, args.arch, " ".join(texts[0].split("\n\n")[2].split()))
     except RunbookError as e:
         return die(e)
     except OSError as e:
         return die(RunbookError(f"cannot write {args.out}: {e}; check the folder is writable", ANCHOR))
     size = sum(p.stat().st_size for p in args.out.iterdir() if p.is_file())
-    event(
-        "tiny-model",
-        arch=args.arch,
-        seed=args.seed,
-        params=n_params,
-        vocab=tok["vocab"],
-        dtype=args.dtype,
-        bytes=size,
-        out=paths.rel(args.out),
-        seconds=round(time.monotonic() - t0, 2),
-    )
+    event("tiny-model", arch=args.arch, seed=args.seed, params=n_params, vocab=tok["vocab"], dtype=args.dtype,
+          layout=args.layout, quantize=args.quantize or "none", bytes=size, out=paths.rel(args.out),
+          seconds=round(time.monotonic() - t0, 2))
     return 0
 
 
