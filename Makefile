@@ -168,11 +168,12 @@ RECREATE    ?=
 check-parity: $(VENV)/.stamp
 	$(if $(JSON),@)$(PARITY_CMD)$(if $(JSON), --json)$(if $(DEEP), --deep) || [ $$? -eq 1 ]
 
-## provision: create or repair PYTHON's venv on every host from requirements.lock, then check-parity
+## provision: create or repair PYTHON's venv on every host from requirements.lock, then check-parity's runtime gate
+# Fresh hosts have no code, model or dataset yet: only the runtime gate runs here (sync comes next).
 .PHONY: provision
 provision: $(VENV)/.stamp | $(STAMPS)
 	$(PY) bin/provision.py --hostfile $(HOSTFILE) --python $(PYTHON)$(if $(BASE_PYTHON), --base-python $(BASE_PYTHON))$(if $(RECREATE), --recreate)
-	$(PARITY_GATE)
+	$(PARITY_CMD) --gate runtime || [ $$? -eq 1 ]
 
 ## sync: code + dataset (+ model with SYNC_MODEL=1) to REMOTE_ROOT on every host, verified by hash
 # Always runs (a no-op sync is one hash probe per host): host state changes behind make's back.
