@@ -1,9 +1,7 @@
-"""Run commands on hosts over ssh, always unattended and always as argument lists.
-
-ssh runs with BatchMode (never a password or host-key prompt), a connect timeout and
-server-alive probes; `SSH_CONFIG` (set by the test fabric's env.sh) adds `-F <file>`. The
-remote command is a list; each element is quoted with shlex for the remote shell, so a value
-can never become shell syntax. Hostnames are validated by lib.hostfile before they get here.
+"""Run commands on hosts over ssh: always unattended, always argument lists (check-parity, provision,
+sync, calibrate, lib/launch.py). ssh never prompts (BatchMode, strict host keys) and times out;
+`SSH_CONFIG` adds `-F <file>`; every remote argument is shlex-quoted, so no value becomes shell text.
+Example: `run_on("mac5", ["uname", "-m"], timeout=10).stdout` -> `"arm64\\n"`.
 """
 
 from __future__ import annotations
@@ -15,37 +13,21 @@ from dataclasses import dataclass
 
 from lib.hostfile import check_hostname, is_local
 
-CONNECT_TIMEOUT = 5
+CONTROL_ENV = "THUNDER_SSH_CONTROL_DIR"  # set: one shared connection per host (sync's many calls)
+SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "ServerAliveInterval=5",
+               "-o", "ServerAliveCountMax=3", "-o", "StrictHostKeyChecking=yes", "-o", "LogLevel=ERROR"]
 
 
 def ssh_options() -> list[str]:
-    opts = [
-        "-o", "BatchMode=yes",
-        "-o", f"ConnectTimeout={CONNECT_TIMEOUT}",
-        "-o", "ServerAliveInterval=5",
-        "-o", "ServerAliveCountMax=3",
-        "-o", "StrictHostKeyChecking=yes",
-        "-o", "LogLevel=ERROR",
-    ]
-    cfg = os.environ.get("SSH_CONFIG")
-    if cfg:
-        opts = ["-F", cfg] + opts
-    ctl = os.environ.get(CONTROL_ENV)
-    if ctl:
-        # One connection per host for a script's many calls (sync: probe, rsync, swap, verify).
-        # The master exits when the script closes it, or 30 s after its last use.
-        opts += ["-o", "ControlMaster=auto", "-o", f"ControlPath={ctl}/%C", "-o", "ControlPersist=30"]
-    return opts
-
-
-CONTROL_ENV = "THUNDER_SSH_CONTROL_DIR"
+    """`-F $SSH_CONFIG`, SSH_OPTIONS, and a shared master when CONTROL_ENV names its folder (closed, or 30 s idle)."""
+    cfg, ctl = os.environ.get("SSH_CONFIG"), os.environ.get(CONTROL_ENV)
+    shared = ["-o", "ControlMaster=auto", "-o", f"ControlPath={ctl}/%C", "-o", "ControlPersist=30"] if ctl else []
+    return (["-F", cfg] if cfg else []) + SSH_OPTIONS + shared
 
 
 def close_masters(hosts: list[str]) -> None:
     """Close the shared connections opened under CONTROL_ENV (no-op without it)."""
-    if not os.environ.get(CONTROL_ENV):
-        return
-    for h in hosts:
+    for h in hosts if os.environ.get(CONTROL_ENV) else []:
         if not is_local(h):
             subprocess.run(["ssh", *ssh_options(), "-O", "exit", "--", h], capture_output=True,
                            stdin=subprocess.DEVNULL, timeout=10)
@@ -53,8 +35,7 @@ def close_masters(hosts: list[str]) -> None:
 
 def ssh_argv(host: str, argv: list[str]) -> list[str]:
     """The ssh argument list that runs `argv` on `host` (validated), quoted for the remote shell."""
-    check_hostname(host, "ssh target")
-    return ["ssh", *ssh_options(), "--", host, shlex.join(argv)]
+    return ["ssh", *ssh_options(), "--", check_hostname(host, "ssh target"), shlex.join(argv)]
 
 
 def rsh() -> str:
@@ -77,14 +58,12 @@ class Result:
 
 def run_on(host: str, argv: list[str], timeout: float = 30, local: bool | None = None,
            input: str | None = None) -> Result:
-    """Run argv on host (locally when the host is 127.0.0.1, like mlx.launch); never raises
-    on failure: the Result says what happened."""
-    if local is None:
-        local = is_local(host)
-    cmd = argv if local else ssh_argv(host, argv)
+    """Run argv on host (locally when the host is 127.0.0.1, like mlx.launch); never raises on
+    failure: the Result says what happened (124: timed out, 127: no such command)."""
+    cmd = argv if (is_local(host) if local is None else local) else ssh_argv(host, argv)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           stdin=subprocess.DEVNULL if input is None else None, input=input)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=input,
+                           stdin=subprocess.DEVNULL if input is None else None)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         return Result(host, 124, out, f"timed out after {timeout:g} s", timed_out=True)
