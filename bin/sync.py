@@ -54,6 +54,7 @@ from lib.remote import CONTROL_ENV, close_masters, rsh, run_on  # noqa: E402
 CODE = ["bin", "lib", "configs", "Makefile", "requirements.lock"]
 PROBE_TIMEOUT = 60
 RSYNC_TIMEOUT = 3600
+RSYNC_IO_TIMEOUT = 300  # rsync gives up after this long without any I/O
 HOME_RE = re.compile(r"^/(root|var/root|home/[^/]+|Users/[^/]+)/?$")
 PLAIN_PATH_RE = re.compile(r"^[A-Za-z0-9_./+-]+$")
 HASH_LINE_RE = re.compile(r"^([0-9a-f]{64}) [ *]\./(.+)$")  # openssl -r: `<hex> *./f`; the others `<hex>  ./f`
@@ -61,11 +62,13 @@ HASH_LINE_RE = re.compile(r"^([0-9a-f]{64}) [ *]\./(.+)$")  # openssl -r: `<hex>
 # (its humanize_number: plain bytes without -h, which we never pass; `1.2 MB` with -h, `1.2 MiB` with -hh).
 SENT_RE = re.compile(r"^Total (?:bytes )?sent: ([\d.,']+) ?(?:([KMGTPE]?)(i?)B?)$", re.M)
 CHANGE_RE = re.compile(r"^[<>ch.*][fdLDS*]")  # --itemize-changes lines (`*deleting` included)
-# Only options all three rsyncs have: -a -c -R --delete --delete-excluded --include/--exclude
-# --link-dest --delay-updates --itemize-changes --stats --bwlimit --dry-run -e --rsync-path.
+# Only options all three rsyncs have: -a -c -R --include/--exclude
+# --link-dest --delay-updates --itemize-changes --stats --timeout --bwlimit --dry-run -e --rsync-path.
 # Not used: --info, --mkpath, -s/--protect-args, --append-verify (neither 2.6.9 nor openrsync has
-# them), --delete-delay (not in 2.6.9); rsync 2.6.9 ignores --max-delete's exit code 25, so sync
-# bounds deletions itself (the probe lists the dataset folder).
+# them), --delete-delay (not in 2.6.9), --delete-excluded (rsync 3.x hangs on it against openrsync).
+# Deletions: only the swap removes files (what the probe listed beyond the manifest, at most
+# --max-delete), never rsync, whose --max-delete differs between them (2.6.9: 0 is no limit and
+# going over only warns; 3.x: 0 deletes nothing and going over exits 25).
 
 # Choose the fastest sha256 a host has, proven on empty input before it is trusted: `openssl dgst`
 # uses the CPU's SHA instructions (3x coreutils' sha256sum here), then sha256sum, then macOS's
@@ -80,7 +83,8 @@ if [ -z "$h" ]; then echo "no working sha256 tool (openssl, sha256sum or shasum)
 """
 
 # The probe, also the verification after a transfer. $1 = root; $2 = rw (create root/datasets and
-# root/$3 unless $3 is -) or ro (change nothing); $4 = a folder to list (or -); then the files to
+# root/$3 unless $3 is -; remove the staging folder a killed sync left beside $4) or ro (change
+# nothing); $4 = the dataset folder to list (or -); then the files to
 # hash, then `--exists` and the files only to look for. Prints HOMEROOT, NOROOT, `LIVE <name>`,
 # `MISSING <path>`, `EXISTS <path>` and the hash tool's `<sha256> ./<path>` lines. Every value
 # reaches the constant script as a positional argument.
@@ -95,6 +99,7 @@ if [ ! -d "$root" ]; then echo NOROOT; exit 0; fi
 cd "$root" || exit 3
 """ + PICK_HASH_SH + r"""
 if [ "$list" != - ] && [ -d "$list" ]; then ls -A -- "$list" | sed 's/^/LIVE /'; fi
+if [ "$mode" = rw ] && [ "$list" != - ]; then rm -rf -- "${list%/*}/.${list##*/}.incoming"; fi
 exists=
 for f; do
   shift
@@ -247,7 +252,7 @@ def bytes_sent(stats: str) -> int | None:
 
 def rsync(host: str, args, rsync_args: list[str]) -> tuple[int | None, list[str]]:
     """Run the local rsync with the unattended ssh; returns (bytes sent, itemized changes)."""
-    argv = [args.rsync, "-a", "--itemize-changes", "--stats", "-e", rsh(),
+    argv = [args.rsync, "-a", "--itemize-changes", "--stats", f"--timeout={RSYNC_IO_TIMEOUT}", "-e", rsh(),
             *([f"--rsync-path={args.rsync_path}"] if args.rsync_path else []),
             *(["--dry-run"] if args.dry_run else []), *([f"--bwlimit={args.bwlimit}"] if args.bwlimit else []),
             *rsync_args]
@@ -268,16 +273,16 @@ def transfers(host: str, args, plan: dict, before: dict, diff: dict) -> list[tup
         jobs.append(("code", ["--checksum", "-R", "--exclude=__pycache__", "--exclude=*.pyc", "--exclude=.*",
                               *CODE, f"{dest}/"]))
     if diff["dataset"] or diff["extra"]:
-        # Only the manifest's files travel (everything that goes live is verified). Into the
+        # Only the manifest's files travel (everything that goes live is verified), into a fresh
         # staging folder, unchanged files hard-linked from the live copy; a dry run compares with
         # the live copy itself. rsync's quick check (size, mtime) could keep a same-sized damaged
-        # file, so --checksum whenever a differing file exists on the host.
+        # file, so --checksum whenever a differing file exists on the host. (No --delete-excluded:
+        # rsync 3.x hangs on it against openrsync; the probe lists what the swap deletes.)
         only = [f"--include=/{f.rsplit('/', 1)[1]}" for f in plan["expected"]] + ["--exclude=*"]
         into = f"datasets/{name}" if args.dry_run else f"datasets/.{name}.incoming"
         link = [] if args.dry_run else [f"--link-dest={inside(root, f'datasets/{name}')}"]
         check = ["--checksum"] if args.dry_run or set(diff["dataset"]) & set(before["hash"]) else []
-        jobs.append(("dataset", [*check, "--delete", "--delete-excluded", *link, *only,
-                                 f"datasets/{name}/", f"{dest}/{into}/"]))
+        jobs.append(("dataset", [*check, *link, *only, f"datasets/{name}/", f"{dest}/{into}/"]))
     if diff["model"]:
         jobs.append(("model", ["--delay-updates", f"{mrel}/", f"{dest}/{mrel}/"]))
     return jobs
@@ -318,6 +323,7 @@ def sync_host(host: str, args, plan: dict) -> dict:
             rec["changes"] += [f"{kind} {c}" for c in changes]
             rec["actions"].append(kind)
     if args.dry_run:
+        rec["changes"] += [f"dataset *deleting {f}" for f in diff["extra"]]
         return dict(rec, verified=None, wall_s=round(time.monotonic() - t0, 3))
 
     # 3. verify, not trust: hash on the host everything sent; swap the dataset in only if all of
