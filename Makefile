@@ -242,7 +242,7 @@ calibrate: datasets/$(DATASET)/manifest.json $(VENV)/.stamp
 ## plan: the training plan JSON (coordinator format 2.0.0) from the hostfile, config, last check-parity and calibration -> runs/plan.json
 .PHONY: plan
 plan: $(VENV)/.stamp
-	$(PY) bin/plan.py --run $(RUN) --hostfile $(HOSTFILE) --config $(CONFIG) --model $(MODEL) --dataset $(DATASET) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))
+	$(call need,MODEL)$(PY) bin/plan.py --run $(RUN) --hostfile $(HOSTFILE) --config $(CONFIG) --model $(MODEL) --dataset $(DATASET) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))
 
 ## cron-line: print the crontab line for a check-parity of this checkout every EVERY minutes (JSON in runs/parity/, alert on a non-zero exit)
 EVERY ?= 15

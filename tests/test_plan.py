@@ -42,8 +42,8 @@ def runs_dir(tmp_path_factory):
          "--run", RUN])
     shutil.move(str(ROOT / "runs" / RUN), str(r / RUN))
     run([PY, "bin/calibrate.py", "--hostfile", LOCAL, "--model", MODEL, "--config", CONFIG, "--remote-root", str(ROOT),
-         "--python", VENV_PY, "--budget-s", "6", "--max-batch", "2", "--steps", "1", "--max-bytes", "262144",
-         "--tcp-bytes", "1048576", "--tcp-reps", "2", "--grad-reps", "2", "--out-dir", str(r)], timeout=300)
+         "--python", VENV_PY, "--budget-s", "30", "--max-batch", "2", "--steps", "1", "--max-bytes", "262144",
+         "--out-dir", str(r)], timeout=300)
     return r
 
 
@@ -177,10 +177,11 @@ def test_schema_refuses_what_it_must(runs_dir):
 
 
 def test_make_plan(runs_dir):
-    p = make("-n", "plan", f"RUN={RUN}", f"HOSTFILE={LOCAL}", f"CONFIG={CONFIG}", "MIN_SPEEDUP=0")
+    p = make("-n", "plan", f"RUN={RUN}", f"HOSTFILE={LOCAL}", f"CONFIG={CONFIG}", f"MODEL={MODEL}", "MIN_SPEEDUP=0")
     assert f"bin/plan.py --run {RUN} --hostfile {LOCAL} --config {CONFIG}" in p.stdout and "--min-speedup 0" in p.stdout
     before = set((ROOT / "runs").glob("plan-*.json"))
-    p = make("plan", f"RUN={RUN}", f"HOSTFILE={LOCAL}", f"CONFIG={CONFIG}", f"REMOTE_ROOT={ROOT}", f"PYTHON={VENV_PY}")
+    p = make("plan", f"RUN={RUN}", f"HOSTFILE={LOCAL}", f"CONFIG={CONFIG}", f"MODEL={MODEL}", f"REMOTE_ROOT={ROOT}",
+             f"PYTHON={VENV_PY}")
     new = set((ROOT / "runs").glob("plan-*.json")) - before
     try:
         assert len(new) == 1 and "plan file runs/plan-" in p.stdout
