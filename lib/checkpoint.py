@@ -1,21 +1,17 @@
-"""Crash-safe training checkpoints: write, verify, pick for resume, prune.
+"""Crash-safe training checkpoints (bin/train.py writes them, bin/smoke.py verifies them).
 
-Layout, under RUN_DIR/checkpoints/:
+    checkpoints/step-0000300/  adapters.safetensors, adapter_config.json (an mlx-lm adapter
+                               folder as it is), optimizer.safetensors, state.json (step, RNG,
+                               hashes, val loss), manifest.json ({"files": {name: {sha256, bytes}}})
+    checkpoints/latest         `step-0000300`, written last
 
-    step-0000300/
-        adapters.safetensors    trainable weights (safetensors, flattened names)
-        optimizer.safetensors   optimizer state, flattened tree (+ pending grads)
-        state.json              step, RNG state, data position, hashes, val loss
-        manifest.json           {"files": {name: {"sha256", "bytes"}}, "step", "format_version"}
-    latest                      `step-0000300`, written last
+A checkpoint is built in a hidden temporary folder, fsync'd file by file (F_FULLFSYNC on macOS),
+renamed into place, then `latest` is replaced: a kill leaves a complete folder or a hidden
+temporary that is swept. Resume takes the newest folder whose manifest verifies and says why it
+skipped newer ones. No mlx here: the trainer passes callables that write the files.
 
-A checkpoint is built in a hidden temporary folder, every file and the folder
-fsync'd (F_FULLFSYNC on macOS), then renamed into place and the parent fsync'd;
-only then is `latest` replaced (atomically). A kill at any moment leaves either
-a complete, verifiable folder or a hidden temporary one that is ignored and
-swept. Resume takes the newest folder whose manifest verifies and says why it
-skipped any newer one. Nothing here imports mlx: the files are written by
-callables the trainer passes in.
+    path = checkpoint.save(root, 300, {"adapters.safetensors": write_fn, ...}, state)
+    chosen, skipped, notes = checkpoint.find_resume(root)
 """
 
 from __future__ import annotations
@@ -33,10 +29,8 @@ from lib.atomic import dumps_json, fsync_dir, fsync_fd, write_text
 from lib.hashing import sha256_file
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-STATE = "state.json"
+MANIFEST, STATE, LATEST = "manifest.json", "state.json", "latest"
 REQUIRED = ("adapters.safetensors", "optimizer.safetensors", STATE)
-LATEST = "latest"
 NAME_RE = re.compile(r"^step-(\d{7,})$")
 
 
@@ -44,23 +38,16 @@ def name_of(step: int) -> str:
     return f"step-{step:07d}"
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fsync_fd(fd)
-    finally:
-        os.close(fd)
+def _remove(root: Path, path: Path, tag: str) -> None:
+    """Rename a folder to a hidden name, then delete it: never a partial folder under a checkpoint name."""
+    aside = root / f".{tag}-{path.name}.{os.getpid()}.{time.time_ns()}"
+    os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
-def save(
-    root: os.PathLike | str,
-    step: int,
-    writers: dict[str, Callable[[Path], None]],
-    state: dict,
-) -> Path:
-    """Write checkpoint `step` under root: each writers[name](path) writes one file,
-    state.json and the manifest are added, then the folder is renamed into place
-    and `latest` updated. Returns the final folder."""
+def save(root: os.PathLike | str, step: int, writers: dict[str, Callable[[Path], None]], state: dict) -> Path:
+    """Write checkpoint `step` under root: each writers[name](path) writes one file, state.json
+    and the manifest are added, the folder renamed into place, `latest` updated. Returns the folder."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / name_of(step)
@@ -68,22 +55,15 @@ def save(
     try:
         for name, write in writers.items():
             write(tmp / name)
-        state = dict(state, step=step, format_version=FORMAT_VERSION)
-        (tmp / STATE).write_text(dumps_json(state), encoding="utf-8")
+        (tmp / STATE).write_text(dumps_json(dict(state, step=step, format_version=FORMAT_VERSION)), encoding="utf-8")
         names = sorted(p.name for p in tmp.iterdir())
         for n in names:
-            _fsync_file(tmp / n)
+            with open(tmp / n, "rb") as f:
+                fsync_fd(f.fileno())
         files = {n: {"sha256": sha256_file(tmp / n), "bytes": (tmp / n).stat().st_size} for n in names}
-        manifest = {"files": files, "step": step, "format_version": FORMAT_VERSION}
-        with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-            f.write(dumps_json(manifest))
-            f.flush()
-            fsync_fd(f.fileno())
-        fsync_dir(tmp)
+        write_text(tmp / MANIFEST, dumps_json({"files": files, "step": step, "format_version": FORMAT_VERSION}))
         if final.exists():  # a damaged or superseded folder of the same step
-            aside = root / f".{final.name}.replaced.{os.getpid()}.{time.time_ns()}"
-            os.replace(final, aside)
-            shutil.rmtree(aside, ignore_errors=True)
+            _remove(root, final, "deleting")
         os.replace(tmp, final)
         fsync_dir(root)
     except BaseException:
@@ -94,36 +74,26 @@ def save(
 
 
 def verify(path: os.PathLike | str) -> tuple[bool, str]:
-    """(True, "ok") when the folder's manifest lists every required file and every
-    listed file has its sha256; else (False, the reason)."""
+    """(True, "ok") when the manifest lists every required file and every listed file has its
+    sha256 and state.json its step; else (False, the reason)."""
     path = Path(path)
-    m = NAME_RE.match(path.name)
-    if not m:
+    if not (m := NAME_RE.match(path.name)):
         return False, f"{path.name} is not a checkpoint folder name"
-    man = path / MANIFEST
-    if not man.is_file():
+    if not (path / MANIFEST).is_file():
         return False, f"{MANIFEST} is missing"
-    listed: dict[str, str] = {}
     try:
-        files = json.loads(man.read_text(encoding="utf-8"))["files"]
-        for name, meta in files.items():
-            digest = meta.get("sha256") if isinstance(meta, dict) else None
-            if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest) or "/" in name:
-                return False, f"{MANIFEST} entry {name!r} is malformed"
-            listed[name] = digest
+        listed = {name: meta.get("sha256") for name, meta in json.loads((path / MANIFEST).read_text("utf-8"))["files"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return False, f"{MANIFEST} is unreadable or malformed ({type(e).__name__})"
-    for name in REQUIRED:
-        if name not in listed:
-            return False, f"{name} is not in {MANIFEST}"
+    if bad := [n for n, d in listed.items() if not isinstance(d, str) or not re.fullmatch(r"[0-9a-f]{64}", d) or "/" in n]:
+        return False, f"{MANIFEST} entry {bad[0]!r} is malformed"
+    if missing := [n for n in REQUIRED if n not in listed]:
+        return False, f"{missing[0]} is not in {MANIFEST}"
     for name, digest in listed.items():
-        f = path / name
-        if not f.is_file():
-            return False, f"{name} is missing"
-        if sha256_file(f) != digest:
-            return False, f"sha256 mismatch in {name}"
+        if not (path / name).is_file() or sha256_file(path / name) != digest:
+            return False, f"{name} is missing" if not (path / name).is_file() else f"sha256 mismatch in {name}"
     try:
-        state = json.loads((path / STATE).read_text(encoding="utf-8"))
+        state = read_state(path)
     except (OSError, ValueError) as e:
         return False, f"{STATE} does not parse ({e})"
     if state.get("format_version") != FORMAT_VERSION:
@@ -140,9 +110,8 @@ def read_state(path: os.PathLike | str) -> dict:
 def listing(root: os.PathLike | str) -> list[Path]:
     """Checkpoint folders under root, newest step first (hidden temporaries excluded)."""
     root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := NAME_RE.match(p.name))]
+    found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+             if p.is_dir() and (m := NAME_RE.match(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -155,92 +124,42 @@ def latest_pointer(root: os.PathLike | str) -> str | None:
 
 
 def find_resume(root: os.PathLike | str) -> tuple[Path | None, list[tuple[str, str]], list[str]]:
-    """The newest verified checkpoint, the (name, reason) of each newer one skipped,
-    and notes (e.g. the `latest` pointer disagreeing with what was found)."""
-    root = Path(root)
-    skipped: list[tuple[str, str]] = []
-    notes: list[str] = []
-    chosen = None
+    """The newest verified checkpoint, the (name, reason) of each newer one skipped, and notes
+    (the `latest` pointer disagreeing with what was found)."""
+    skipped, chosen = [], None
     for p in listing(root):
         ok, why = verify(p)
         if ok:
             chosen = p
             break
         skipped.append((p.name, why))
-    pointer = latest_pointer(root)
+    pointer, notes = latest_pointer(root), []
     if chosen is not None and pointer != chosen.name:
-        if pointer is None:
-            notes.append(f"`{LATEST}` is missing or unreadable; using {chosen.name}")
-        else:
-            notes.append(f"`{LATEST}` says {pointer}; the newest verified checkpoint is {chosen.name}")
+        notes.append(f"`{LATEST}` is missing or unreadable; using {chosen.name}" if pointer is None
+                     else f"`{LATEST}` says {pointer}; the newest verified checkpoint is {chosen.name}")
     return chosen, skipped, notes
 
 
 def quarantine(root: os.PathLike | str, name: str) -> Path:
     """Move a checkpoint that failed verification out of the way (kept for forensics)."""
-    root = Path(root)
-    dest = root / f"quarantine-{name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-    os.replace(root / name, dest)
+    dest = Path(root) / f"quarantine-{name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    os.replace(Path(root) / name, dest)
     fsync_dir(root)
     return dest
 
 
 def sweep_temporaries(root: os.PathLike | str) -> list[str]:
     """Remove hidden temporaries left by a killed writer (only the single writer calls this)."""
-    root = Path(root)
-    removed = []
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith(".step-") or p.name.startswith(".deleting-"):
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
-                removed.append(p.name)
+    root, removed = Path(root), []
+    for p in (root.iterdir() if root.is_dir() else []):
+        if p.name.startswith((".step-", ".deleting-")):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            removed.append(p.name)
     return removed
 
 
-def prune(root: os.PathLike | str, keep_last_k: int) -> list[str]:
-    """Delete checkpoints beyond the newest keep_last_k, keeping the best by
-    validation loss, every final one and the `latest` target. Returns the names
-    deleted. A folder is renamed to a hidden name before it is removed, so a kill
-    mid-delete never leaves a partial folder under a checkpoint name."""
-    root = Path(root)
-    if keep_last_k < 2:
-        raise ValueError("keep_last_k must be at least 2")
-    folders = listing(root)
-    keep = {p.name for p in folders[:keep_last_k]}
-    pointer = latest_pointer(root)
-    if pointer:
-        keep.add(pointer)
-    best, best_loss = None, None
-    for p in folders:
-        try:
-            st = read_state(p)
-        except (OSError, ValueError):
-            continue
-        if st.get("final"):
-            keep.add(p.name)
-        loss = st.get("val_loss")
-        if isinstance(loss, (int, float)) and (best_loss is None or loss < best_loss):
-            best, best_loss = p.name, loss
-    if best:
-        keep.add(best)
-    deleted = []
-    for p in folders:
-        if p.name in keep:
-            continue
-        aside = root / f".deleting-{p.name}.{os.getpid()}"
-        os.replace(p, aside)
-        shutil.rmtree(aside, ignore_errors=True)
-        deleted.append(p.name)
-    if deleted:
-        fsync_dir(root)
-    return deleted
-
-
 def best(root: os.PathLike | str) -> tuple[str, float] | None:
-    """(name, val_loss) of the verified-looking checkpoint with the lowest val loss."""
+    """(name, val_loss) of the checkpoint with the lowest validation loss."""
     out = None
     for p in listing(root):
         try:
@@ -250,3 +169,23 @@ def best(root: os.PathLike | str) -> tuple[str, float] | None:
         if isinstance(loss, (int, float)) and (out is None or loss < out[1]):
             out = (p.name, float(loss))
     return out
+
+
+def prune(root: os.PathLike | str, keep_last_k: int) -> list[str]:
+    """Delete checkpoints beyond the newest keep_last_k, keeping the best by validation loss,
+    every final one and the `latest` target. Returns the names deleted."""
+    if keep_last_k < 2:
+        raise ValueError("keep_last_k must be at least 2")
+    root, folders = Path(root), listing(root)
+    keep = {p.name for p in folders[:keep_last_k]} | {latest_pointer(root), (best(root) or (None,))[0]}
+    for p in folders:
+        try:
+            keep |= {p.name} if read_state(p).get("final") else set()
+        except (OSError, ValueError):
+            continue
+    deleted = [p.name for p in folders if p.name not in keep]
+    for name in deleted:
+        _remove(root, root / name, "deleting")
+    if deleted:
+        fsync_dir(root)
+    return deleted

@@ -1,40 +1,54 @@
-"""Event lines on stdout and errors that name their fix.
+"""Event lines on stdout, errors that name their fix, and the one table of failures.
 
 An event is one grep-able line, `event k1 v1 k2 v2`, e.g.
 `iter 120 train_loss 2.314 tok/s 1830`. A failure prints its category and
 ends with `see RUNBOOK.md#anchor`; that heading exists in RUNBOOK.md.
+
+    from lib.log import DATA, RunbookError, failure
+    raise failure(DATA, "datasets/x/train.jsonl not found on mac5")   # category + anchor
+    raise RunbookError("no verified checkpoint under runs/x", "resume")  # kind by anchor
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
-# Failure categories of DESIGN.md, each with its RUNBOOK anchor.
-CATEGORIES = {
-    "runtime parity": "runtime-parity",
-    "export format or path consistency": "export-format-or-path-consistency",
-    "learning rate or quantized LoRA stability": "learning-rate-or-lora-stability",
-    "the Thunder path itself": "thunder-path",
-    "hang / link partition": "hang-or-link-partition",
+# kind: (category, bin/train.py exit code, RUNBOOK anchor). The first five are DESIGN.md's
+# failure categories; the orchestrator decides the last two of them (no trainer exit code).
+FAILURES = {
+    "parity": ("runtime parity", 10, "runtime-parity"),
+    "data": ("export format or path consistency", 11, "export-format-or-path-consistency"),
+    "stability": ("learning rate or quantized LoRA stability", 12, "learning-rate-or-lora-stability"),
+    "thunder": ("the Thunder path itself", None, "thunder-path"),
+    "hang": ("hang / link partition", None, "hang-or-link-partition"),
+    # A rank stopped for a reason that is none of DESIGN.md's categories.
+    "config": ("config error", 2, "run-configs"),
+    "oom": ("out of memory", 13, "out-of-memory"),
+    "resume": ("resume impossible", 14, "resume"),
+    "error": ("trainer error", 1, "trainer"),
+    "worse": ("worse than the base model", None, "compare-worse-than-base"),  # bin/compare.py's verdict
 }
+DESIGN_KINDS = ("parity", "data", "stability", "thunder", "hang")
+CATEGORIES = {FAILURES[k][0]: FAILURES[k][2] for k in DESIGN_KINDS}  # category -> anchor
+OTHER_FAILURES = {k: (v[0], v[2]) for k, v in FAILURES.items() if k not in DESIGN_KINDS}  # kind -> (name, anchor)
+PARITY, DATA, STABILITY, THUNDER, HANG = CATEGORIES
+KIND_OF_CODE = {v[1]: k for k, v in FAILURES.items() if v[1] is not None}
 
-
-# Failures that are none of DESIGN.md's categories: a rank stopped for its own reason
-# (its failure.json `kind`), named with the anchor of the fix.
-OTHER_FAILURES = {
-    "config": ("config error", "run-configs"),
-    "resume": ("resume impossible", "resume"),
-    "oom": ("out of memory", "out-of-memory"),
-    "error": ("trainer error", "trainer"),
-}
+# The one out-of-memory pattern: an MLX allocation failure or a Metal GPU fault, as printed.
+OOM_RE = re.compile(
+    r"Insufficient Memory|OutOfMemory|out of memory|Unable to allocate|"
+    r"\[metal::malloc\]|\[malloc\]|greater than the maximum allowed buffer size|"
+    r"kIOGPUCommandBufferCallbackError(?:OutOfMemory|Timeout|ImpactingInteractivity)|"
+    r"std::bad_alloc",
+    re.I,
+)
 
 
 def anchor_of(category: str) -> str:
     """The RUNBOOK anchor of a category of CATEGORIES or of OTHER_FAILURES."""
-    if category in CATEGORIES:
-        return CATEGORIES[category]
-    for name, anchor in OTHER_FAILURES.values():
+    for name, _, anchor in FAILURES.values():
         if name == category:
             return anchor
     return "failure-table"
@@ -51,6 +65,29 @@ class RunbookError(Exception):
     def __str__(self) -> str:
         head = f"[{self.category}] " if self.category else ""
         return f"{head}{self.args[0]}; see RUNBOOK.md#{self.anchor}"
+
+    @property
+    def kind(self) -> str:
+        """Its FAILURES key: by category, else by anchor; any other bad input is "config"."""
+        for kind, (name, _, anchor) in FAILURES.items():
+            if self.category == name or (self.category is None and self.anchor == anchor):
+                return kind
+        return "config"
+
+    @property
+    def exit_code(self) -> int:
+        return FAILURES[self.kind][1] or 1
+
+
+def error_of_code(code: int, message: str) -> RunbookError:
+    """The RunbookError of a trainer exit code (another rank's failure, agreed by all_sum)."""
+    name, _, anchor = FAILURES[KIND_OF_CODE.get(code, "error")]
+    return RunbookError(message, anchor, name if name in CATEGORIES else None)
+
+
+def failure(category: str, message: str) -> RunbookError:
+    """A RunbookError of one of DESIGN.md's categories, with its anchor."""
+    return RunbookError(message, CATEGORIES[category], category)
 
 
 def fmt(value: Any) -> str:

@@ -32,7 +32,7 @@ from conftest import PY, ROOT, make, run
 
 from lib import checkpoint as ckpt
 from lib import config as C
-from lib.log import CATEGORIES
+from lib.log import CATEGORIES, FAILURES, OOM_RE
 
 LAUNCH = str(Path(PY).with_name("mlx.launch"))
 HOSTFILE = str(ROOT / "hostfile.local.json")
@@ -366,14 +366,90 @@ def test_data_order_follows_mlx_lm_train_with_validation_draws(model, data, tmp_
 
 # ---- the adapter in mlx-lm's layout ----------------------------------------------------------------
 def test_adapter_loads_with_mlx_lm_generate_and_fuse(baseline, model, tmp_path):
-    adapters = baseline / "adapters"
-    p = run([PY, "-m", "mlx_lm", "generate", "--model", str(model), "--adapter-path", str(adapters),
-             "--prompt", "What is a list?", "--max-tokens", "4", "--temp", "0"], timeout=120)
-    assert "Generation:" in p.stdout or "tokens-per-sec" in p.stdout, p.stdout
+    """adapters/ and the best-by-validation checkpoint folder, as they are (no copying), load
+    with `mlx_lm generate --adapter-path` and `mlx_lm fuse`."""
+    done = events(baseline, "done")[12]
+    best = Path(done["best_adapter"])
+    assert best.parent == baseline / "checkpoints" and best.name == done["best"]
+    assert {"adapters.safetensors", "adapter_config.json"} <= {f.name for f in best.iterdir()}
+    for adapters in (baseline / "adapters", best):
+        p = run([PY, "-m", "mlx_lm", "generate", "--model", str(model), "--adapter-path", str(adapters),
+                 "--prompt", "What is a list?", "--max-tokens", "4", "--temp", "0"], timeout=120)
+        assert "Generation:" in p.stdout or "tokens-per-sec" in p.stdout, p.stdout
     fused = tmp_path / "fused"
-    run([PY, "-m", "mlx_lm", "fuse", "--model", str(model), "--adapter-path", str(adapters),
+    run([PY, "-m", "mlx_lm", "fuse", "--model", str(model), "--adapter-path", str(best),
          "--save-path", str(fused)], timeout=120)
     assert (fused / "config.json").is_file() and list(fused.glob("*.safetensors"))
+    # The fused weights are the base plus this checkpoint's LoRA, not the base model's.
+    base, merged = tensors(model / "model.safetensors"), tensors(fused / "model.safetensors")
+    changed = [k for k in merged if k in base and k.endswith("q_proj.weight")
+               and max_abs_diff({k: base[k]}, {k: merged[k]}) > 0]
+    assert changed, "mlx_lm fuse did not apply the checkpoint's adapter"
+
+
+# ---- the watchdog sees progress, not just steps ------------------------------------------------
+WATCHDOG_S = 10
+
+
+@pytest.fixture(scope="module")
+def long_test_run(model, tmp_path_factory):
+    """bin/run.py (the orchestrator, its real watchdog) on hostfile.local.json with a whole-split
+    test evaluation that lasts several watchdog windows: a dataset in datasets/, a config."""
+    name = f"wd-test-{os.getpid()}"
+    write_dataset(ROOT / "datasets" / name, n_test=900)
+    cfg = tmp_path_factory.mktemp("wd") / "wd.yaml"
+    cfg.write_text(CONFIG.replace("iters: 12", "iters: 4").replace("test_batches: 2", "test_batches: -1")
+                   .replace("val_batches: 2", "val_batches: 1"))
+    yield name, cfg
+    import shutil
+    shutil.rmtree(ROOT / "datasets" / name, ignore_errors=True)
+    for d in (ROOT / "runs").glob(f"{name}*"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def run_stage(dataset, cfg, run_id, **kw):
+    return subprocess.Popen([PY, "bin/run.py", "--stage", "train", "--skip-smoke-check", "--run", run_id,
+                             "--hostfile", HOSTFILE, "--config", str(cfg), "--model", str(MODEL), "--dataset", dataset,
+                             "--remote-root", str(ROOT), "--python", PY, "--watchdog", str(WATCHDOG_S),
+                             "--port", str(free_port_pair())],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_final_evaluation_longer_than_the_watchdog_window_passes(long_test_run):
+    dataset, cfg = long_test_run
+    p = run_stage(dataset, cfg, f"{dataset}-long")
+    out, err = p.communicate(timeout=900)
+    summary = json.loads((ROOT / "runs" / f"{dataset}-long" / "train.json").read_text())
+    assert p.returncode == 0 and summary["ok"] and not summary["watchdog_fired"], (summary, err[-3000:])
+    test_s = float(re.search(r"^test step 4 .* test_s (\S+)", out, re.M).group(1))
+    print(f"final evaluation {test_s:.1f} s under a {WATCHDOG_S} s watchdog window: PASS")
+    assert test_s > 2 * WATCHDOG_S, "the evaluation was too short to test the watchdog"
+    assert re.search(r"progress rank [01] phase test", out) and re.search(r"progress rank [01] phase load-model", out)
+    # The summary names the best-by-validation adapter, a checkpoint folder mlx-lm loads as it is.
+    best = ROOT / summary["best_adapter"]
+    assert best.parent.name == "checkpoints" and (best / "adapter_config.json").is_file()
+    assert f"best_adapter {summary['best_adapter']}" in out
+
+
+def test_a_rank_frozen_in_the_final_evaluation_is_a_hang(long_test_run):
+    dataset, cfg = long_test_run
+    run_id = f"{dataset}-frozen"
+    p = run_stage(dataset, cfg, run_id)
+    log = ROOT / "runs" / run_id / "logs" / "launch-train.log"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not (log.is_file() and "progress rank 1 phase test" in log.read_text()):
+        time.sleep(0.2)
+    pid = json.loads((ROOT / "runs" / run_id / "logs" / "rank-1.joined.json").read_text())["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        out, err = p.communicate(timeout=300)
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    summary = json.loads((ROOT / "runs" / run_id / "train.json").read_text())
+    assert p.returncode == 1 and summary["watchdog_fired"], (summary, err[-3000:])
+    assert summary["category"] == "hang / link partition" and "RUNBOOK.md#hang-or-link-partition" in err
+    assert not alive(pid), "the sweep left the frozen rank behind"
 
 
 # ---- failure categories -------------------------------------------------------------------------------
@@ -488,28 +564,22 @@ METAL_OOM = ("[METAL] Command buffer execution failed: Insufficient Memory "
              "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)")
 
 
-def test_out_of_memory_prints_the_ladder_and_its_failure_file(tmp_path, monkeypatch, capsys):
-    """MLX's Metal out-of-memory text (recorded on a Mac; no Metal here) through the
-    trainer's failure path: exit 13, failure.json kind oom, the rungs as commands."""
+def test_out_of_memory_is_its_own_failure(tmp_path):
+    """MLX's Metal out-of-memory text (recorded on a Mac; no Metal here) through the trainer's
+    failure path: exit 13, failure.json kind oom with its anchor (the orchestrator prints the
+    fallback ladder: tests/test_launch_unit.py)."""
     train = load_trainer()
-    run_dir = tmp_path / "run"
-    argv = ["bin/train.py", "--config", "configs/stage1.yaml", "--run-dir", str(run_dir)]
-    monkeypatch.setattr(sys, "argv", argv)
-    cfg = C.resolve(ROOT / "configs" / "stage1.yaml", {"model": "m", "data": "d"})
-    log = train.RankLog(run_dir, 0)
-    f = train.as_failure(RuntimeError(METAL_OOM))
-    code = train.fail(f, run_dir, log, {"step": 7, "cfg": cfg, "world": 2}, train.build_parser().parse_args(argv[1:]))
-    out = capsys.readouterr().out
-    assert code == 13 and failure(run_dir)["kind"] == "oom" and failure(run_dir)["step"] == 7
-    rungs = [line.strip() for line in out.splitlines() if line.startswith("    ")]
-    assert "oom-fallback rung 1" in out and len(rungs) == 2
-    assert "--batch-size 2 --grad-accumulation-steps 4 --iters 4000" in rungs[0]
-    assert f"--run-dir {run_dir}-oom1" in rungs[0] and "--max-seq-length 1024" in rungs[1]
+    rep = train.Reporter(tmp_path / "run", 0)
+    rep.step = 7
+    code = train.fail(train.as_error(RuntimeError(METAL_OOM)), rep, "L1")
+    f = failure(tmp_path / "run")
+    assert code == 13 and (f["kind"], f["step"], f["anchor"], f["launch_id"]) == ("oom", 7, "out-of-memory", "L1")
+    assert f["category"] is None and code == FAILURES["oom"][1]
 
 
 def test_out_of_memory_ladder_keeps_the_global_batch():
-    assert C.OOM_RE.search(METAL_OOM) and C.OOM_RE.search("kIOGPUCommandBufferCallbackErrorTimeout")
-    assert not C.OOM_RE.search("ValueError: shapes do not match")
+    assert OOM_RE.search(METAL_OOM) and OOM_RE.search("kIOGPUCommandBufferCallbackErrorTimeout")
+    assert not OOM_RE.search("ValueError: shapes do not match")
     cfg = C.resolve(ROOT / "configs" / "stage1.yaml", {"model": "m", "data": "d"})
     argv = ["python", "bin/train.py", "--config", "configs/stage1.yaml", "--run-dir", "runs/x"]
     rungs = C.fallback_ladder(cfg, argv, world_size=2)
