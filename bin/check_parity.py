@@ -184,15 +184,17 @@ def eval_disk(args, h: str, disk: dict) -> dict:
                  f"{args.root}/runs/*), or lower MIN_DISK_GB; see RUNBOOK.md#parity-resources")
 
 
-def eval_memory_root(args, h: str, f: dict) -> list[dict]:
-    mem, disk = f.get("memory") or {}, f["disk"]
+def eval_memory(h: str, mem: dict) -> dict:
     avail = (mem.get("available_bytes") or 0) / GB
     detail = (f"{avail:.1f} GB available of {mem['total_bytes'] / GB:.1f} GB (warn below {MIN_MEM_GB:g} GB)"
               if "available_bytes" in mem else f"cannot read free memory: {mem.get('error')}")
-    out = [check("resources.memory", h, "pass" if avail >= MIN_MEM_GB else "warn", detail,
-                 "stop other jobs on the host; see RUNBOOK.md#parity-resources")]
-    # macOS privacy protection (TCC) refuses an ssh session ~/Desktop, ~/Documents and ~/Downloads with
-    # EPERM ("Operation not permitted"); a folder's owner or mode refuses with EACCES.
+    return check("resources.memory", h, "pass" if avail >= MIN_MEM_GB else "warn", detail,
+                 "stop other jobs on the host; see RUNBOOK.md#parity-resources")
+
+
+def eval_remote_root(args, h: str, disk: dict, system: str) -> dict:
+    """The ssh session may read REMOTE_ROOT: macOS privacy protection (TCC) refuses ~/Desktop, ~/Documents
+    and ~/Downloads with EPERM ("Operation not permitted"); a folder's owner or mode refuses with EACCES."""
     err, root, home = disk.get("errno"), args.root, (disk.get("home") or "/-").rstrip("/") + "/"
     under = root[len(home):].split("/")[0] if root.startswith(home) else ""
     status, fix = "fail", TCC_FIX
@@ -203,12 +205,12 @@ def eval_memory_root(args, h: str, f: dict) -> list[dict]:
         fix = f"ls -ld {root} on the host, then chown or chmod it for the ssh user; see RUNBOOK.md#parity-tcc"
     elif err not in (None, "ENOENT"):
         why = f"{root}: {disk.get('error')}"
-    elif f["system"] == "Darwin" and under in ("Desktop", "Documents", "Downloads"):
+    elif system == "Darwin" and under in ("Desktop", "Documents", "Downloads"):
         status, why = "warn", (f"{root} lies under ~/{under}: ssh may read it only while full disk access for "
                                "remote users stays on, and a macOS update can turn that off")
     else:
         status, why = "pass", f"{root} " + ("does not exist yet (sync creates it)" if err else "is readable over ssh")
-    return out + [check("resources.remote_root", h, status, why, fix)]
+    return check("resources.remote_root", h, status, why, fix)
 
 
 def eval_macos(h: str, f: dict, hf) -> list[dict]:
@@ -244,7 +246,7 @@ def eval_link(h: str, f: dict) -> list[dict]:
         return out + [check("link.rtt", h, "fail" if link else "pass", detail)]
     dead = [f"{ip} ({v['error']})" for ip, v in link.items() if v["rtt_ms"] is None]
     slow = [ip for ip, v in link.items() if v["rtt_ms"] is not None and v["rtt_ms"] > RTT_WARN_MS]
-    shown = ", ".join(f"{ip} {v['rtt_ms']} ms (min of {v['tries']})" for ip, v in link.items() if v["rtt_ms"])
+    shown = ", ".join(f"{ip} {v['rtt_ms']} ms (min of {v['tries']})" for ip, v in link.items() if v["rtt_ms"] is not None)
     if dead:
         return out + [check("link.rtt", h, "fail", "peer(s) unreachable: " + "; ".join(dead),
                             "check the cable/bridge and the peer's IP; see RUNBOOK.md#parity-link")]
@@ -326,7 +328,8 @@ def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
         if runtime:
             checks.append(eval_python(h, f["python"], runnable, args))
             checks += [] if f["python"]["fallback"] else eval_packages(h, f, ref["lock"], args.fix["provision"])
-            checks += [eval_env(h, f, hf.envs), eval_disk(args, h, f["disk"]), *eval_memory_root(args, h, f)]
+            checks += [eval_env(h, f, hf.envs), eval_disk(args, h, f["disk"]), eval_memory(h, f.get("memory") or {}),
+                       eval_remote_root(args, h, f["disk"], f["system"])]
             checks += eval_macos(h, f, hf) + eval_link(h, f)
         if "content" in GATES[args.gate]:
             checks += eval_content(args, h, f, ref)
