@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag in ("--hostfile", "--model", "--config", "--remote-root", "--python"):
-        p.add_argument(flag)
+        p.add_argument(flag, required=True)
     for flag, kind, default, what in (
             ("--budget-s", float, 120.0, "compute sweep seconds per host"), ("--steps", int, 3, "timed steps per size"),
             ("--max-batch", int, 64, "largest power-of-two batch tried"), ("--min-bytes", int, 4096, "smallest all_sum"),
@@ -357,8 +357,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
     p.add_argument("--out-dir", default=str(paths.RUNS), help="where calibration-<UTC>.json goes")
     p.add_argument("--skip-compute", action="store_true", help="measure only the link")
-    for flag in ("--compute-probe", "--rank-probe", "--probe-id", "--spec"):
-        p.add_argument(flag, help=argparse.SUPPRESS, **{"action": "store_true"} if flag.endswith("probe") else {})
     return p
 
 
@@ -395,11 +393,11 @@ def phase_compute(args, hf, cfg: dict, probe_id: str) -> list[dict]:
     must = sorted({cfg["batch_size"], g} | {x // w for x in (cfg["batch_size"], g) if x % w == 0})
     hosts = []
     for host in hf.unique_ssh():
-        spec = {"cfg": cfg, "host": host, "budget_s": args.budget_s, "max_batch": args.max_batch,
+        spec = {"probe_id": probe_id, "cfg": cfg, "host": host, "budget_s": args.budget_s, "max_batch": args.max_batch,
                 "steps": args.steps, "mem_fraction": args.mem_fraction, "must": must}
         alone = Hostfile(args.hostfile, [next(h for h in hf.hosts if h.ssh == host)])  # ssh, not mlx.launch
         argv = launch_argv(args.hostfile, alone, args.python, args.remote_root,
-                           ["--compute-probe", "--probe-id", probe_id, "--spec", json.dumps(spec)], script=SCRIPT)
+                           ["--compute-probe", json.dumps(spec)], script=SCRIPT)
         event("calibrate-phase", phase="compute", host=host, budget_s=args.budget_s)
         res = stream(argv, args.budget_s + args.timeout_s, f"{host}: the compute probe failed",
                      f"run `make sync` and `make check-parity HOSTFILE={args.hostfile}` first")
@@ -410,7 +408,7 @@ def phase_compute(args, hf, cfg: dict, probe_id: str) -> list[dict]:
 def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -> dict:
     from lib.launch import launch_argv
 
-    spec = {"cfg": cfg, "steps": args.steps, "min_bytes": args.min_bytes, "max_bytes": args.max_bytes,
+    spec = {"probe_id": probe_id, "cfg": cfg, "steps": args.steps, "min_bytes": args.min_bytes, "max_bytes": args.max_bytes,
             "per_rank_batch": per_rank_batch, "tcp_ip": (hf.hosts[1].ips or [None])[0]}
     port = args.port
     if port is None and all(h.ssh == "127.0.0.1" for h in hf.hosts):  # ranks here: ports nobody else uses
@@ -418,7 +416,7 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
     argv = launch_argv(args.hostfile, hf, args.python, args.remote_root,
-                       ["--rank-probe", "--probe-id", probe_id, "--spec", json.dumps(spec)], port, script=SCRIPT)
+                       ["--rank-probe", json.dumps(spec)], port, script=SCRIPT)
     event("calibrate-phase", phase="link", world_size=hf.size, backend=hf.backend or "ring",
           per_rank_batch=per_rank_batch or "-", max_bytes=args.max_bytes)
     res = stream(argv, args.timeout_s, "the link probe failed", f"check `make check-parity HOSTFILE={args.hostfile}` "
@@ -446,9 +444,6 @@ def load_inputs(args):
     from lib.hostfile import check_path
     from lib.hostfile import load as load_hostfile
 
-    for flag in ("hostfile", "model", "config", "remote_root", "python"):
-        if not getattr(args, flag):
-            raise RunbookError(f"--{flag.replace('_', '-')} is required", ANCHOR)
     hf = load_hostfile(args.hostfile)
     check_path(args.remote_root, "REMOTE_ROOT")
     check_path(args.python, "PYTHON")
@@ -504,7 +499,7 @@ def orchestrate(args) -> int:
         from lib.remote import run_on
 
         for host in hf.unique_ssh():
-            run_on(host, ["pkill", "-KILL", "-f", "--", r"bin/calibrate\.py --[a-z-]+ --probe-id " + probe_id])
+            run_on(host, ["pkill", "-KILL", "-f", "--", r"bin/calibrate\.py --[a-z]+-probe .*" + probe_id])
         if isinstance(e, KeyboardInterrupt):
             return die(RunbookError("interrupted; nothing written", ANCHOR), 130)
         if not isinstance(e, RunbookError):
@@ -517,15 +512,17 @@ def orchestrate(args) -> int:
            "config": {"path": args.config, "sha256": sha256_file(args.config), **{k: cfg[k] for k in (
                "batch_size", "grad_accumulation_steps", "max_seq_length", "num_layers", "fine_tune_type",
                "lora_parameters", "grad_checkpoint", "optimizer")}},
-           "settings": {k: getattr(args, k) for k in ("budget_s", "max_batch", "steps", "mem_fraction", "min_bytes",
-                                                      "max_bytes")},
            "loadavg": {"start": load_start, "end": os.getloadavg()}, **measured, "wall_s": round(time.time() - t0, 3)}
     path = Path(args.out_dir) / f"calibration-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     while path.exists():  # names sort by time; never overwrite one
         time.sleep(1)
         path = Path(args.out_dir) / f"calibration-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     atomic.write_json(path, doc)
-    rec, sp = doc["recommendation"], doc["speedup"]
+    rec, sp, link = doc["recommendation"], doc["speedup"], doc["link"] or {}
+    if link.get("tcp"):
+        print(f"link: all_sum busbw {link['bandwidth_gbps']['busbw_best']:.3f} GB/s at {link['bandwidth_gbps']['bytes']} B "
+              f"= {link['tcp']['allsum_over_tcp']:.2f} x bare TCP both ways at once ({link['tcp']['both_directions_gbps']:.3f} "
+              f"GB/s each way); latency {link['latency_us']['mean']:.0f} us", flush=True)
     print("recommendation: " + (rec.get("error") or f"per-rank batch {rec['per_rank_batch']} x accumulation "
                                 f"{rec['grad_accumulation_steps']}: {rec['why']}"), flush=True)
     if sp.get("t_dual_step_s"):
@@ -538,14 +535,13 @@ def orchestrate(args) -> int:
 
 
 def main() -> int:
-    args = build_parser().parse_args()
-    if args.compute_probe or args.rank_probe:
+    if sys.argv[1:2] in (["--compute-probe"], ["--rank-probe"]):  # on a host: --*-probe SPEC (carries the probe id)
         try:
-            return (compute_probe if args.compute_probe else rank_probe)(json.loads(args.spec))
+            return (compute_probe if sys.argv[1] == "--compute-probe" else rank_probe)(json.loads(sys.argv[2]))
         except Exception as e:  # the orchestrator shows this line with the rest of the host's output
             print(f"error: {socket.gethostname()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             return 1
-    return orchestrate(args)
+    return orchestrate(build_parser().parse_args())
 
 
 if __name__ == "__main__":

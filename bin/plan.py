@@ -64,19 +64,17 @@ def M(spec):
 STATUS = "=pass|fail|unknown"
 SCHEMA = {
     "version": "=" + VERSION, "generated": {"created": "str", "tool": "str", "git": "map", "command": "str"},
-    "sources": {"hostfile": "map", "config": "map", "model_sha256": "str", "dataset": M("map"), "parity": M("map"),
-                "calibration": M("map"), "sync": M("map"), "smoke": M("map")},
+    "sources": {"hostfile": "map", "config": "map", "model_sha256": "str", "parity": M("map"), "calibration": M("map")},
     "unknowns": [{"field": "str", "reason": "str"}, 0],
     "strategy": {"approach": "str", "parallelism": "=data", "nodes": "int>=1", "total_gpus": "int>=1",
-                 "gpus_per_node": "int>=1", "device": M("str"), "model": "str", "trainable_params": M("int>=1")},
+                 "gpus_per_node": "int>=1", "device": M("str"), "trainable_params": M("int>=1")},
     "batch_configuration": {
         "per_gpu_batch_size": M("int>=1"), "total_batch_size": "int>=1", "gradient_accumulation_steps": "int>=1",
-        "learning_rate": "num>=0", "warmup_steps": "int>=0", "warmup_epochs": M("num>=0"), "iters": "int>=1",
-        "epochs": M("num>=0"), "max_seq_length": "int>=2", "fits_memory": M("bool"),
+        "learning_rate": "num>=0", "warmup_epochs": M("num>=0"), "epochs": M("num>=0"), "fits_memory": M("bool"),
         "recommended": M({"per_gpu_batch_size": "int>=1", "gradient_accumulation_steps": "int>=1",
                           "config_batch_size": "int>=1", "largest_fitting_batch": "int>=1",
                           "largest_fitting_batch_kind": "=measured|lower_bound", "why": "str"})},
-    "distributed_config": {"mlx_launch_command": "str", "make_command": "str", "gradient_sync": "str",
+    "distributed_config": {"mlx_launch_command": "str", "gradient_sync": "str",
                            "backend": "=ring|jaccl|jaccl-ring|mpi|nccl", "unified_memory": M("bool"),
                            "mlx_env_vars": "map"},
     "rdma_config": {"enabled": "bool", "backend": "str", "platform": "str", "verified": M("bool"), "setup": M("str"),
@@ -85,20 +83,18 @@ SCHEMA = {
                             "frequency": "str", "retention": "str", "resume_command": "str",
                             "expected_recovery_time": M({"seconds": "num>=0", "source": "str"})},
     "performance_targets": {"throughput": M({"tok_per_s": "num>=0", "source": "str"}), "expected_speedup": M("num>=0"),
-                            "compute_bound_speedup": M("num>=0"), "min_speedup": "num>=0", "loss_tolerance": "num>=0",
-                            "gpu_utilization": M("num>=0"), "peak_memory_gb": M("num>=0"),
+                            "min_speedup": "num>=0", "gpu_utilization": M("num>=0"), "peak_memory_gb": M("num>=0"),
                             "checkpoint_overhead": {"target_pct": "num>=0", "measured_pct": M("num>=0")}},
     "verification_steps": ["str", 3],
     "pre_rdma_sync": {"sync_script": "str", "command": "str", "validation_checks": ["str", 1], "block_on_failure": "bool",
                       "sync_status": M("=success|failed"), "sync_output": M("str")},
-    "hardware_calibration": {"measured_performance": M("map"), "concurrent_performance": M("map"),
-                             "workload_distribution": "map", "macos_qos_api": "str", "calibration_notes": M("str"),
+    "hardware_calibration": {"measured_performance": M("map"), "workload_distribution": "map", "macos_qos_api": "str", "calibration_notes": M("str"),
                              "calibration_file": M("str")},
     "worker_consistency": {"validation_checks": ["str", 1], "script_hash": "str", "code_hash": "str",
                            "is_consistent": M("bool"), "consistency_threshold": "num>=0",
                            "divergent_workers": M(["str", 0]), "byzantine_detection": {"enabled": "false", "reason": "str"}},
     "coordinator_chunking": {"enabled": "bool", "chunk_size": "int>=1", "dataset_size": M("int>=0"),
-                             "num_chunks": M("int>=0"), "would_enable": M("bool"), "why": "str", "progress_reporting": "str",
+                             "num_chunks": M("int>=0"), "why": "str", "progress_reporting": "str",
                              "memory_management": {"gc_collect": "bool", "mx_clear_cache": "bool"}},
     "pre_flight_checklist": {"checks": [{"name": "=" + "|".join(LAYERS), "status": STATUS, "detail": "str",
                                          "fix_command": "text"}, len(LAYERS)],
@@ -182,12 +178,12 @@ def load_parity(c) -> dict:
         where = f"checked {sorted(seen) or 'no host'}, not {sorted(set(c.hf.unique_ssh()))}" if data else why
         return {"error": f"{'no check-parity result (' if data is None else ''}{paths.rel(path)} {where}"
                          f"{')' if data is None else ''}: run `{c.cmd['check-parity']}`"}
+    out = {"file": paths.rel(path), "status": data.get("status"), "code": data.get("code"), "ts": data.get("ts", "?"),
+           "checks": data["checks"]}
     try:
-        age = time.time() - datetime.strptime(data.get("ts") or "", "%Y-%m-%dT%H:%M:%S%z").timestamp()
+        age = time.time() - datetime.strptime(out["ts"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
     except ValueError:
         age = None
-    out = {"file": paths.rel(path), "status": data.get("status"), "code": data.get("code"), "ts": data.get("ts"),
-           "checks": data["checks"]}
     if age is None or age > c.args.max_parity_age_s:
         out["stale"] = (f"{paths.rel(path)} is {'of unknown age' if age is None else f'{age / 60:.0f} min old'} "
                         f"(limit {c.args.max_parity_age_s / 60:.0f} min): run `{c.cmd['check-parity']}`")
@@ -202,9 +198,11 @@ def load_calibration(c) -> tuple[dict | None, str]:
     cal, why = read_json(files[-1])
     if cal is None:
         return None, f"{paths.rel(files[-1])} {why}: run `{c.cmd['calibrate']}`"
-    have = [(h.get("ssh"), h.get("ips")) for h in cal.get("hostfile", {}).get("hosts", [])]
-    bad = [] if have == [(h.ssh, h.ips) for h in c.hf.hosts] else [f"hosts {[h[0] for h in have]}"]
-    bad += [] if (cal["hostfile"].get("backend") or "ring") == c.backend else [f"backend {cal['hostfile'].get('backend')}"]
+    hf = cal.get("hostfile", {})
+    bad = [] if cal.get("format_version") == 2 else [f"format version {cal.get('format_version')}, not 2"]
+    bad += [] if [(h.get("ssh"), h.get("ips")) for h in hf.get("hosts", [])] == [(h.ssh, h.ips) for h in c.hf.hosts] \
+        else [f"hosts {[h.get('ssh') for h in hf.get('hosts', [])]}"]
+    bad += [] if (hf.get("backend") or "ring") == c.backend else [f"backend {hf.get('backend')}"]
     bad += [] if (cal.get("model"), cal.get("model_sha256")) == (c.args.model, c.model_sha) else [f"model {cal.get('model')}"]
     bad += [f"{k} {cal.get('config', {}).get(k)!r}, not {c.cfg[k]!r}" for k in (
         "max_seq_length", "num_layers", "fine_tune_type", "lora_parameters", "grad_checkpoint")
@@ -271,15 +269,14 @@ def model_sections(c) -> dict:
         "approach": f"MLX data parallel: mlx.launch runs bin/train.py on {c.world} rank(s), {c.backend} backend",
         "parallelism": "data", "nodes": len(nodes), "total_gpus": c.world, "gpus_per_node": max(nodes.values()),
         "device": ", ".join(devices) or unknown(c.cal_why or "the calibration has no device facts"),
-        "model": c.args.model, "trainable_params": or_unknown(cal.get("trainable_params"), why)},
+        "trainable_params": or_unknown(cal.get("trainable_params"), why)},
         "batch_configuration": {
         "per_gpu_batch_size": or_unknown(c.per_rank, f"batch_size {cfg['batch_size']} is not divisible by the world "
                                                      f"size {c.world}: fix {c.args.config}"),
         "total_batch_size": c.global_batch, "gradient_accumulation_steps": cfg["grad_accumulation_steps"],
-        "learning_rate": float(cfg["learning_rate"]), "warmup_steps": int(sched.get("warmup", 0)),
+        "learning_rate": float(cfg["learning_rate"]), "fits_memory": c.fits,
         "warmup_epochs": epochs(int(sched.get("warmup", 0))) if epochs else unknown(c.ds_why),
-        "iters": cfg["iters"], "epochs": epochs(cfg["iters"]) if epochs else unknown(c.ds_why),
-        "max_seq_length": cfg["max_seq_length"], "fits_memory": c.fits,
+        "epochs": epochs(cfg["iters"]) if epochs else unknown(c.ds_why),
         "recommended": {"per_gpu_batch_size": rec["per_rank_batch"], "gradient_accumulation_steps":
                         rec["grad_accumulation_steps"], "config_batch_size": rec["config_batch_size"],
                         "largest_fitting_batch": rec["fits_memory_cap"], "largest_fitting_batch_kind":
@@ -291,8 +288,7 @@ def model_sections(c) -> dict:
         if sp.get("t_dual_step_s") else unknown(c.cal_why or sp.get("unknown", "not measured")),
         "expected_speedup": or_unknown(cal.get("expected_speedup"), c.cal_why or cal.get("unknown", {}).get(
             "expected_speedup", "not measured")),
-        "compute_bound_speedup": or_unknown(cal.get("compute_bound_speedup"), c.cal_why or "not measured"),
-        "min_speedup": c.min_speedup, "loss_tolerance": c.tolerance,
+        "min_speedup": c.min_speedup,
         "gpu_utilization": unknown("MLX exposes no GPU utilization counter; tok/s against expected_speedup stands in"),
         "peak_memory_gb": max(peak) if peak else unknown(c.cal_why or f"{cal['file']}: batch {c.per_rank} not "
                                                          f"measured: run `{c.cmd['calibrate']} CALIBRATE_ARGS=--budget-s=600`"),
@@ -307,16 +303,11 @@ def launch_sections(c) -> dict:
     targs = launch.trainer_args(types.SimpleNamespace(model=c.args.model, dataset=c.args.dataset, seed=None),
                                 f"runs/{c.args.run}", c.args.config)
     jaccl, rdma = c.backend.startswith("jaccl"), [x for x in c.parity.get("checks", []) if x["name"] == "resources.rdma"]
-    ratio = {}  # jaccl over ring large-message bandwidth, from the newest calibration of these hosts on each
-    for f in sorted(Path(c.args.runs_dir).glob("calibration-*.json")):
-        d = read_json(f)[0] or {}
-        if [h.get("ssh") for h in d.get("hostfile", {}).get("hosts", [])] == [h.ssh for h in c.hf.hosts] and d.get("link"):
-            ratio[d["link"]["backend"][:5]] = d["link"]["bandwidth_gbps"]["busbw_best"]
     smoke = c.smoke if c.smoke and c.smoke.get("ok") and len(c.smoke.get("launches", [])) >= 2 else None
     return {"distributed_config": {
         "mlx_launch_command": shlex.join(launch.launch_argv(c.args.hostfile, c.hf, c.args.python, c.args.remote_root,
                                                             targs)),
-        "make_command": c.cmd["train"], "backend": c.backend, "mlx_env_vars": envs,
+        "backend": c.backend, "mlx_env_vars": envs,
         "gradient_sync": "mlx.nn.average_gradients: all_sum of the LoRA gradients in 32 MiB groups per optimizer step",
         "unified_memory": all(f.get("platform") == "darwin" and f.get("machine") == "arm64" for f in facts)
         if facts and all(f.get("platform") for f in facts) else unknown(c.cal_why or "no host facts in the calibration")},
@@ -327,9 +318,8 @@ def launch_sections(c) -> dict:
                      "check-parity reported no resources.rdma row: run it on the Macs")) if jaccl else
         unknown("the hostfile's backend is ring: no RDMA devices to verify"),
         "setup": "`rdma_ctl enable` once per Mac, from Recovery OS" if jaccl else unknown("not needed: backend ring"),
-        "expected_speedup": ratio["jaccl"] / ratio["ring"] if {"jaccl", "ring"} <= set(ratio) else unknown(
-            f"needs a calibration of these hosts over ring and over jaccl (have: {sorted(ratio)}): run "
-            "`make calibrate` with a ring hostfile and with a jaccl one")},
+        "expected_speedup": unknown("JACCL over ring is two calibrations of these hosts, one per backend: compare "
+                                    "their link.bandwidth_gbps (`make calibrate HOSTFILE=<ring> / <jaccl>`)")},
         "checkpoint_strategy": {
         "approach": "atomic verified checkpoints (lib/checkpoint.py): exact resume of weights, optimizer, RNG, data order",
         "async": False, "compression": "none (safetensors)", "resume_command": c.cmd["train"] + " RESUME=1",
@@ -346,6 +336,7 @@ def host_sections(c) -> dict:
     alone = {h["ssh"]: max((r for r in h["sweep"] if r["batch"] <= (c.per_rank or 0)), key=lambda r: r["batch"])
              for h in cal.get("hosts", []) if any(r["batch"] <= (c.per_rank or 0) for r in h.get("sweep", []))}
     bad = sorted({x["host"] for x in p.get("checks", []) if x["name"] in names and x["status"] == "fail"})
+    conc = (cal.get("link") or {}).get("concurrent", {})
     s = c.sync or {}
     return {"pre_rdma_sync": {
         "sync_script": "bin/sync.py (make sync)", "command": c.cmd["sync"], "block_on_failure": True,
@@ -355,10 +346,9 @@ def host_sections(c) -> dict:
         "sync_output": "; ".join(f"{h['host']}: {'verified' if h.get('verified') else 'NOT verified'}" for h in
                                  s.get("hosts", [])) + f" at {s.get('ts')}" if s else unknown(c.sync_why)},
         "hardware_calibration": {
-        "measured_performance": {h: {"tok_per_s": r["tok_per_s"], "batch": r["batch"], "alone": True} for h, r in
-                                 alone.items()} or unknown(c.cal_why or f"no sweep row at or below batch {c.per_rank}"),
-        "concurrent_performance": {h: r["tok_per_s"] for h, r in (cal.get("link") or {}).get("concurrent", {}).items()}
-        or unknown(c.cal_why or cal.get("unknown", {}).get("link", "no concurrent measurement")),
+        "measured_performance": {h: {"batch": r["batch"], "tok_per_s_alone": r["tok_per_s"], "tok_per_s_every_rank":
+                                     conc.get(h, {}).get("tok_per_s")} for h, r in alone.items()}
+        or unknown(c.cal_why or f"no sweep row at or below batch {c.per_rank}"),
         "workload_distribution": {h: sum(x.ssh == h for x in c.hf.hosts) / c.world for h in c.hf.unique_ssh()},
         "macos_qos_api": "not set: the trainer runs at the default QoS class",
         "calibration_notes": "; ".join([f"{h['ssh']}: stopped by {h.get('stopped', {}).get('reason')}" for h in cal.get(
@@ -376,7 +366,6 @@ def host_sections(c) -> dict:
         "coordinator_chunking": {
         "enabled": False, "chunk_size": CHUNK, "dataset_size": or_unknown(c.train_records, c.ds_why),
         "num_chunks": math.ceil(c.train_records / CHUNK) if c.train_records is not None else unknown(c.ds_why),
-        "would_enable": c.train_records >= CHUNK if c.train_records is not None else unknown(c.ds_why),
         "why": "the trainer tokenizes every record up front (mlx-lm's CacheDataset) and does not chunk",
         "memory_management": {"gc_collect": False, "mx_clear_cache": True},
         "progress_reporting": "`iter N train_loss L tok/s X` lines and runs/<RUN>/metrics.jsonl"},
@@ -444,13 +433,9 @@ def build_plan(args) -> dict:
                                               "tool": "bin/plan.py", "git": launch.git_info(), "command": c.cmd["plan"]},
             "sources": {"hostfile": {"path": args.hostfile, "sha256": sha256_file(args.hostfile)},
                         "config": {"path": args.config, "sha256": sha256_file(args.config)}, "model_sha256": c.model_sha,
-                        "dataset": {"manifest_sha256": sha256_file(paths.DATASETS / args.dataset / "manifest.json")}
-                        if c.manifest else unknown(c.ds_why),
                         "parity": {k: c.parity[k] for k in ("file", "status", "ts")} if "error" not in c.parity
                         else unknown(c.parity["error"]),
-                        "calibration": {"file": c.cal["file"], "created": c.cal.get("created")} if c.cal else unknown(c.cal_why),
-                        "sync": {"ok": c.sync.get("ok"), "ts": c.sync.get("ts")} if c.sync else unknown(c.sync_why),
-                        "smoke": {"ok": c.smoke.get("ok")} if c.smoke else unknown(c.smoke_why)},
+                        "calibration": {"file": c.cal["file"], "created": c.cal.get("created")} if c.cal else unknown(c.cal_why)},
             "unknowns": [], **model_sections(c), **launch_sections(c), **host_sections(c),
             "pre_flight_checklist": {"checks": checks, "block_on_failure": True, "validation_layers": [
                 re.sub("_layer$", "", n) for n in LAYERS], "overall_status": next(
