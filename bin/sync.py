@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import re
 import shutil
@@ -38,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, paths  # noqa: E402
+from lib.dataset import read_manifest  # noqa: E402
 from lib.hashing import iter_files, sha256_file  # noqa: E402
 from lib.hostfile import check_path, is_local, load as load_hostfile  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
@@ -164,22 +164,11 @@ def model_rel(model: str) -> str | None:
 
 
 def load_manifest(dataset: str) -> dict[str, str]:
-    """{datasets/NAME/file: sha256} from the local manifest, plus the manifest itself. Each host's
-    staging copy must hash to these before it is swapped in."""
-    mpath = paths.DATASETS / dataset / "manifest.json"
-    if not mpath.is_file():
-        raise RunbookError(f"{paths.rel(mpath)} missing: export the dataset first (make export DATASET={dataset})",
-                           "export")
-    files = json.loads(mpath.read_text(encoding="utf-8")).get("files")
-    if not isinstance(files, dict) or not files:
-        raise RunbookError(f"{paths.rel(mpath)} has no 'files' table; re-run make export", "export")
-    for name, meta in files.items():
-        if not paths.is_safe_name(name) or name == "manifest.json" or not isinstance(meta, dict) \
-                or not re.fullmatch(r"[0-9a-f]{64}", str(meta.get("sha256", ""))):
-            raise RunbookError(f"{paths.rel(mpath)}: entry {name!r} is not a plain file name with a sha256; "
-                               "re-run make export", "export")
+    """{datasets/NAME/file: sha256} from the local manifest (lib.dataset refuses a bad one), plus
+    the manifest itself. Each host's staging copy must hash to these before it is swapped in."""
+    files = read_manifest(paths.DATASETS / dataset)["files"]
     expected = {f"datasets/{dataset}/{name}": meta["sha256"] for name, meta in sorted(files.items())}
-    expected[f"datasets/{dataset}/manifest.json"] = sha256_file(mpath)
+    expected[f"datasets/{dataset}/manifest.json"] = sha256_file(paths.DATASETS / dataset / "manifest.json")
     return expected
 
 
