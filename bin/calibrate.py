@@ -214,7 +214,9 @@ def send_n(conn: socket.socket, n: int, chunk: bytes) -> None:
 
 def tcp_both_ways(mx, rank: int, ip: str, nbytes: int, reps: int = 3) -> list[float]:
     """Rank 0 and rank 1 send each other nbytes at once over one TCP connection: seconds per rep."""
-    srv = socket.create_server((ip, 0)) if rank == 1 else None
+    srv = socket.create_server((ip, 0), family=socket.AF_INET6 if ":" in ip else socket.AF_INET) if rank == 1 else None
+    if srv:
+        srv.settimeout(120)
     port = int(mx.distributed.all_sum(mx.array([srv.getsockname()[1] if srv else 0]), stream=mx.cpu).item())
     if rank > 1:
         return []

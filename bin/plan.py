@@ -394,7 +394,7 @@ def preflight(c) -> list[dict]:
            check("hardware_layer", "unknown", c.fits["unknown"], cc)]
 
     def layer(name, names, fix):
-        bad = [x for x in p.get("checks", []) if x["name"].split(".")[0] in names and x["status"] == "fail"]
+        bad = [x for x in p.get("checks", []) if {x["name"], x["name"].split(".")[0]} & set(names) and x["status"] == "fail"]
         if bad or "error" in p or p.get("stale"):
             return check(name, "fail" if bad else "unknown", "; ".join(f"{x['host']} {x['name']}: {x['detail']}"
                                                                       for x in bad[:4]) or p.get("error") or p["stale"],
@@ -406,7 +406,7 @@ def preflight(c) -> list[dict]:
                      else "pass", p.get("error") or p.get("stale") or f"check-parity {p['status']} (exit {p['code']})", pc))
     out.append(layer("worker_consistency", ("code", "model", "dataset", "runtime"), f"{c.cmd['sync']} (or make provision)"))
     disk = [x for x in p.get("checks", []) if x["name"] == "resources.disk"]
-    out.append(layer("checkpoint_layer", ("resources",), "free disk space at REMOTE_ROOT, then " + pc) if disk else
+    out.append(layer("checkpoint_layer", ("resources.disk",), "free disk space at REMOTE_ROOT, then " + pc) if disk else
                check("checkpoint_layer", "unknown", p.get("error", "check-parity reported no disk row"), pc))
     problems = [f"{k} {c.cfg[k]} is not a multiple of grad_accumulation_steps" for k in ("save_every", "iters")
                 if c.cfg[k] % c.cfg["grad_accumulation_steps"]] + ([] if c.per_rank else [
