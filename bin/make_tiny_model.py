@@ -208,22 +208,22 @@ def training_text() -> tuple[list[str], str]:
 
 
 def train_tokenizer(arch: str, vocab_size: int, texts: list[str]) -> dict:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    import tokenizers as tk
 
     fam = FAMILIES[arch]
-    tok = Tokenizer(models.BPE())
+    tok = tk.Tokenizer(tk.models.BPE())
     # Llama 3's split: a newline run is one piece whether text follows it or not, so a chat
     # template's generation prompt ("...\n\n") stays a token prefix of the full conversation.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    tok.pre_tokenizer = tk.pre_tokenizers.Sequence([
+        tk.pre_tokenizers.Split(tk.Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+        tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=[AddedToken(s, special=True, normalized=False) for s in fam["specials"]],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[tk.AddedToken(s, special=True, normalized=False) for s in fam["specials"]],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
@@ -233,7 +233,7 @@ def train_tokenizer(arch: str, vocab_size: int, texts: list[str]) -> dict:
     bos = fam["bos"]
     # Plain encode() adds the BOS, as Gemma's and Llama 3's tokenizers do; chat templates
     # write their own, and apply_chat_template encodes without special tokens.
-    tok.post_processor = processors.TemplateProcessing(
+    tok.post_processor = tk.processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, ids[bos])]
     )
     return {"json": tok.to_str(pretty=True), "ids": ids, "vocab": tok.get_vocab_size()}
@@ -264,7 +264,7 @@ def tokenizer_files(arch: str, tok: dict) -> tuple[dict, dict]:
     return config, special_map
 
 
-def normal(seed: int, name: str, shape: tuple) -> "np.ndarray":
+def normal(seed: int, name: str, shape: tuple):
     """N(0, INIT_STD^2) from numpy's stream seeded by (seed, sha256(name)[:8])."""
     import numpy as np
 
