@@ -10,13 +10,12 @@ Example:
         --dataset domain_sft_v1_high_signal_thunder --model models/tiny-gemma4 --run stage1
 
 Per host, in parallel, over one ssh connection: a probe (refuses a REMOTE_ROOT that is the host's
-$HOME, creates REMOTE_ROOT, hashes the host's code and dataset with openssl, sha256sum or shasum);
-rsync of what differs (the dataset into datasets/.NAME.incoming, unchanged files hard-linked); a
-hash of everything sent, then the staging dataset renamed into place only if all of it matches the
-local manifest (a killed sync or bad copy leaves the old one live). A no-op re-sync is the probe
-alone. rsync 3.x, macOS's 2.6.9 and Apple's openrsync work at either end. On the embedded default
-(127.0.0.1, REMOTE_ROOT = this repo) it only verifies. Writes runs/<RUN>/sync.json. Exit codes:
-0 verified, 1 a host failed, 2 refused before any copy.
+$HOME, creates REMOTE_ROOT, hashes the host's copy with openssl, sha256sum or shasum); rsync of what
+differs (the dataset into datasets/.NAME.incoming, unchanged files hard-linked); a hash of all that
+was sent; the staging dataset renamed into place only if all of it matches the local manifest (a
+killed sync or bad copy leaves the old one live). A no-op re-sync is the probe alone. Works with
+rsync 3.x, macOS's 2.6.9 and openrsync at either end. On the embedded default (127.0.0.1, REMOTE_ROOT
+= this repo) it only verifies. Writes runs/<RUN>/sync.json. Exit: 0 ok, 1 a host failed, 2 refused.
 """
 
 from __future__ import annotations
@@ -36,10 +35,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, paths  # noqa: E402
+from lib import atomic, hostfile, paths  # noqa: E402
 from lib.dataset import read_manifest  # noqa: E402
 from lib.hashing import iter_files, sha256_file  # noqa: E402
-from lib.hostfile import check_path, is_local, load as load_hostfile  # noqa: E402
+from lib.hostfile import check_path, is_local  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 from lib.remote import CONTROL_ENV, close_masters, rsh, run_on  # noqa: E402
 
@@ -49,42 +48,32 @@ MODEL_LOCK = threading.Lock()
 HOME_RE = re.compile(r"^/(root|var/root|home/[^/]+|Users/[^/]+)/?$")
 PLAIN_PATH_RE = re.compile(r"^[A-Za-z0-9_./+-]+$")
 HASH_LINE_RE = re.compile(r"^([0-9a-f]{64}) [ *]\./(.+)$")  # openssl -r: `<hex> *./f`; the others `<hex>  ./f`
-# `Total bytes sent: 1,234` (rsync 3.x; 2.6.9 prints no commas); openrsync `Total sent: 278 B` (plain
-# bytes without -h, which sync never passes; `1.2 MB` with -h, `1.2 MiB` with -hh).
+# rsync 3.x `Total bytes sent: 1,234`, 2.6.9 `...: 1234`, openrsync `Total sent: 278 B` (-h: 1.2 MB, -hh: MiB)
 SENT_RE = re.compile(r"^Total (?:bytes )?sent: ([\d.,']+) ?(?:([KMGTPE]?)(i?)B?)$", re.M)
 CHANGE_RE = re.compile(r"^[<>ch.*][fdLDS*]")  # --itemize-changes lines (`*deleting` included)
-# Only options all three rsyncs have: -a -c -R --include/--exclude --link-dest --delay-updates
-# --itemize-changes --stats --timeout --bwlimit --dry-run -e --rsync-path. Not --info, --mkpath, -s,
-# --append-verify (not in 2.6.9 nor openrsync), --delete-delay (not in 2.6.9), --delete-excluded
-# (rsync 3.x hangs on it against openrsync), --max-delete (2.6.9: 0 = no limit, going over only
-# warns; 3.x: 0 deletes nothing, going over exits 25): the swap alone deletes, what the probe listed.
-
-# The fastest sha256 a host has, proven on empty input before it is trusted: `openssl dgst` uses
-# the CPU's SHA instructions (3x coreutils' sha256sum here), then sha256sum, then macOS's shasum.
-PICK_HASH_SH = r"""
-h=
-for c in "openssl dgst -sha256 -r" sha256sum "shasum -a 256"; do
-  s=$($c </dev/null 2>/dev/null) || continue
-  case "$s" in e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855*) h=$c; break;; esac
-done
-if [ -z "$h" ]; then echo "no working sha256 tool (openssl, sha256sum or shasum) on this host" >&2; exit 3; fi
-"""
+# Only options rsync 3.x, 2.6.9 and openrsync share. Not --info, --mkpath, -s, --append-verify (not in
+# 2.6.9 nor openrsync), --delete-delay (2.6.9), --delete-excluded (3.x hangs on it against openrsync),
+# --max-delete (2.6.9: 0 = no limit, over it only warns): the swap alone deletes, what the probe listed.
 
 # The probe, also the check after a transfer: $1 root; $2 rw (create root/datasets and root/$3,
-# remove a killed sync's staging folder beside $4) or ro (change nothing); $4 the dataset
-# folder to list (or -); then files to hash (as ./path: never an option), `--exists`, files only to
-# look for. Every value is a positional argument of the constant script.
+# remove a killed sync's staging folder beside $4) or ro (change nothing); $4 the dataset folder to
+# list (or -); then files to hash (as ./path: never an option), `--exists`, files only to look for.
+# Every value is a positional argument of the constant script. It hashes with the fastest sha256
+# the host has, proven on empty input first: `openssl dgst` (the CPU's SHA instructions, 3x
+# coreutils' sha256sum here), then sha256sum, then macOS's shasum.
 PROBE_SH = r"""
 root=$1; mode=$2; mk=$3; list=$4; shift 4
 case "$root" in "$HOME"|"${HOME%/}") echo HOMEROOT; exit 0;; esac
 if [ "$mode" = rw ]; then mkdir -p -- "$root/datasets" "$root/$mk" || exit 3; fi
-if [ ! -d "$root" ]; then exit 0; fi
-cd "$root" || exit 3
-""" + PICK_HASH_SH + r"""
+cd "$root" 2>/dev/null || exit 0  # ro, and no REMOTE_ROOT yet: nothing there
+h=; for c in "openssl dgst -sha256 -r" sha256sum "shasum -a 256"; do
+  s=$($c </dev/null 2>/dev/null) || continue
+  case "$s" in e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855*) h=$c; break;; esac
+done
+if [ -z "$h" ]; then echo "no working sha256 tool (openssl, sha256sum or shasum) on this host" >&2; exit 3; fi
 if [ "$list" != - ] && [ -d "$list" ]; then ls -A -- "$list" | sed 's/^/LIVE /'; fi
 if [ "$mode" = rw ] && [ "$list" != - ]; then rm -rf -- "${list%/*}/.${list##*/}.incoming"; fi
-exists=
-for f; do
+exists=; for f; do
   shift
   if [ "$f" = --exists ]; then exists=1
   elif [ ! -f "$f" ]; then printf 'MISSING %s\n' "$f"
@@ -135,7 +124,7 @@ def load_plan(args) -> dict:
                            "a plain path (letters, digits, _ . / + -), e.g. RSYNC_PATH=/usr/bin/rsync", "sync-rsync")
     if args.run:
         paths.check_run_id(args.run)
-    hosts = load_hostfile(args.hostfile).unique_ssh()
+    hosts = hostfile.load(args.hostfile).unique_ssh()
     expected = load_manifest(args.dataset)
     code = {f: sha256_file(paths.ROOT / f) for f in iter_files(paths.ROOT, CODE)}
     mrel = model_rel(args.model)
@@ -197,7 +186,8 @@ def bytes_sent(stats: str) -> int | None:
     m = SENT_RE.search(stats)
     if not m or not m.group(2):
         return int(re.sub(r"[,.']", "", m.group(1))) if m else None
-    return round(float(m.group(1).replace(",", "")) * (1024 if m.group(3) else 1000) ** ("KMGTPE".index(m.group(2)) + 1))
+    scale = (1024 if m.group(3) else 1000) ** ("KMGTPE".index(m.group(2)) + 1)
+    return round(float(m.group(1).replace(",", "")) * scale)
 
 
 def rsync(host: str, args, rsync_args: list[str]) -> tuple[int | None, list[str]]:
@@ -324,10 +314,9 @@ def main() -> int:
     results = sync_all(hosts, args, plan)
 
     # A host's dataset failed verification: is the local copy itself damaged? Name it, not the host.
-    local_bad = []
-    if any(set(r.get("mismatches", [])) & set(expected) for r in results):
-        local_bad = [f for f, h in expected.items() if not (paths.ROOT / f).is_file()
-                     or sha256_file(paths.ROOT / f) != h]
+    suspect = any(set(r.get("mismatches", [])) & set(expected) for r in results)
+    local_bad = [f for f, h in expected.items() if suspect and (not (paths.ROOT / f).is_file()
+                                                                or sha256_file(paths.ROOT / f) != h)]
     rc = 0
     for f in local_bad:
         rc = die(RunbookError(f"local {f} does not match its manifest, so no host's dataset was replaced "
