@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, paths  # noqa: E402
-from lib.dataset import read_manifest  # noqa: E402
+from lib.dataset import binding, describe, read_manifest  # noqa: E402
 from lib.hashing import digest_of, sha256_file  # noqa: E402
 from lib.log import DATA, RunbookError, die, event  # noqa: E402
 
@@ -58,6 +58,7 @@ REASONS = ("blank_line", "non_utf8", "invalid_json", "not_an_object", "missing_c
 DEFAULTS = {"fields": {}, "roles": {}, "ratios": {"train": 0.9, "valid": 0.05, "test": 0.05},
             "max_reject_ratio": 0.001, "max_chars": 50000, "text_system_prompt": "",
             "text_user_prompt": "Write a passage from the reference documentation."}
+FLAGS = {"ratios": str, "max_reject_ratio": float, "max_chars": int, "text_system_prompt": str, "text_user_prompt": str}
 RAW_PREFIX, CHUNK = 500, 2000  # bytes of a rejected line kept; lines per task of a worker
 MISSING = object()
 ENC = json.encoder.encode_basestring_ascii  # a string as json.dumps writes it: pure ASCII, any locale reads it
@@ -84,11 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replace", action="store_true", help="replace a dataset of another corpus or settings")
     p.add_argument("--field", action="append", default=[], metavar="CANONICAL=NAME", help="e.g. text=body")
     p.add_argument("--role", action="append", default=[], metavar="FROM=TO", help="e.g. human=user")
-    p.add_argument("--ratios", help="train,valid,test split ratios, e.g. 0.9,0.05,0.05")
-    p.add_argument("--max-reject-ratio", type=float, help="fail when more than this fraction of lines is rejected")
-    p.add_argument("--max-chars", type=int, help="reject records with more content characters")
-    p.add_argument("--text-system-prompt", help="system turn of `text` records ('' = none)")
-    p.add_argument("--text-user-prompt", help="user turn of `text` records")
+    for key, kind in FLAGS.items():
+        p.add_argument("--" + key.replace("_", "-"), type=kind, help=f"configs/export.yaml's {key}")
     p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4), help="processes (the output is the same)")
     return p
 
@@ -108,19 +106,21 @@ def resolve_settings(args) -> dict:
             if not (sep and k and v and isinstance(s[key], dict)):
                 raise fail(f"--{key[:-1]} {k}{sep}{v}: expected KEY=VALUE, e.g. --field text=body", "export-bad-settings")
             s[key][k] = v
-    if args.ratios:
-        s["ratios"] = dict(zip(SPLITS, args.ratios.split(","), strict=False))
-    s.update({k: v for k in ("max_reject_ratio", "max_chars", "text_system_prompt", "text_user_prompt")
-              if (v := getattr(args, k)) is not None})
-    bad = [f"unknown key(s) {', '.join(sorted(set(s) - set(DEFAULTS)))} (known: {', '.join(DEFAULTS)})"
-           for _ in [1] if set(s) - set(DEFAULTS)]
-    if not isinstance(s["fields"], dict) or not set(s["fields"]) <= set(FIELDS):
-        bad.append(f"unknown canonical field(s) {', '.join(sorted(set(s['fields']) - set(FIELDS)))} (fields maps "
-                   f"canonical names to corpus names, e.g. {{text: body}}; known: {', '.join(FIELDS)})")
+    s.update({k: v for k in FLAGS if (v := getattr(args, k)) is not None})
+    if isinstance(s["ratios"], str):  # --ratios 0.9,0.05,0.05
+        s["ratios"] = dict(zip(SPLITS, s["ratios"].split(","), strict=False))
+    unknown = sorted(set(s) - set(DEFAULTS))
+    bad = [f"unknown key(s) {', '.join(unknown)} (known: {', '.join(DEFAULTS)})"] if unknown else []
+    unknown = sorted(set(s["fields"]) - set(FIELDS)) if isinstance(s["fields"], dict) else [repr(s["fields"])]
+    if unknown:
+        bad.append(f"unknown canonical field(s) {', '.join(unknown)} (fields maps canonical names to corpus names, "
+                   f"e.g. {{text: body}}; known: {', '.join(FIELDS)})")
     if not isinstance(s["roles"], dict) or not set(s["roles"].values()) <= {"system", "user", "assistant"}:
         bad.append("roles must map corpus roles to system|user|assistant, e.g. {human: user, gpt: assistant}")
-    r = {k: number(s["ratios"].get(k), Fraction) if isinstance(s["ratios"], dict) else None for k in SPLITS}
-    bad += [f"ratios.{k} must be > 0 (every split gets records)" for k in SPLITS if r[k] is None or r[k] <= 0]
+    ratios = s["ratios"] if isinstance(s["ratios"], dict) and set(s["ratios"]) == set(SPLITS) else {}
+    r = {k: number(ratios.get(k), Fraction) for k in SPLITS}
+    bad += [f"ratios.{k} must be > 0 (ratios are train, valid, test; each split gets records)"
+            for k in SPLITS if r[k] is None or r[k] <= 0]
     if (mrr := number(s["max_reject_ratio"], float)) is None or not 0 <= mrr <= 1:
         bad.append("max_reject_ratio must be a number within 0..1")
     if type(s["max_chars"]) is not int or s["max_chars"] <= 0:
@@ -147,9 +147,11 @@ def corpus_files(patterns: list[str], out: Path) -> list[dict]:
     found: dict[Path, Path] = {}
     for pat in patterns:
         matches = [Path(m) for m in glob.glob(pat, recursive=True) if Path(m).is_file()] if glob.has_magic(pat) else [Path(pat)]
-        if not matches or not matches[0].is_file():
-            raise fail(f"corpus {pat} " + ("is a folder: pass its files or a glob" if Path(pat).is_dir() else "not found"
-                       if matches else "matches no file") + ": pass CORPUS=<files or glob>", "export-no-input")
+        if not matches:
+            raise fail(f"corpus pattern {pat!r} matches no file: pass CORPUS=<files or glob>", "export-no-input")
+        if not matches[0].is_file():
+            why = "is a folder: pass its files or a glob" if matches[0].is_dir() else "not found"
+            raise fail(f"corpus {pat} {why}: pass CORPUS=<files or glob>", "export-no-input")
         found.update({m.resolve(): m for m in matches if m.resolve() not in found})
     if any(r.is_relative_to(out.resolve()) for r in found):
         raise fail(f"a corpus file is inside the output folder {out}: export to another DATASET", "export-no-input")
@@ -380,8 +382,13 @@ def take(r: dict, task: tuple, result) -> None:
                 r["derived"][key] += bool(rec[4] & bit)
 
 
+def as_json(s: dict) -> dict:
+    """The settings as the manifest records them (ratios as floats)."""
+    return {**s, "ratios": {k: float(v) for k, v in s["ratios"].items()}}
+
+
 def build_manifest(name: str, sources: list[dict], r: dict, s: dict) -> dict:
-    ratios, bounds = {k: float(v) for k, v in s["ratios"].items()}, Shaper(s).bounds
+    ratios, bounds = as_json(s)["ratios"], Shaper(s).bounds
     return {
         "dataset": name, "format": "mlx-lm chat JSONL: {messages, record_id, weight, source} per line",
         "exporter": {"script": "bin/export.py", "version": EXPORTER_VERSION, "script_sha256": sha256_file(__file__)},
@@ -396,7 +403,7 @@ def build_manifest(name: str, sources: list[dict], r: dict, s: dict) -> dict:
                  "is kept; a record_id seen again with other messages is a record_id_conflict",
         "sources": [{k: x[k] for k in ("path", "sha256", "bytes", "lines", "gzip")} for x in sources],
         "corpus_sha256": digest_of({x["path"]: x["sha256"] for x in sources}),
-        "settings": {**s, "ratios": ratios},
+        "settings": as_json(s),
     }
 
 
@@ -427,19 +434,13 @@ def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
     except RunbookError as e:
         raise fail(f"{paths.rel(out)} exists and is no export ({e.args[0]}); to replace it on purpose: {fix}",
                    "export-dataset-bound") from None
-    want, have = ({"files": [[x["path"], x["sha256"]] for x in xs], "settings": {k: v for k, v in st.items() if k in
-                   DEFAULTS and k != "max_reject_ratio"}} for xs, st in (
-                  (sources, {**s, "ratios": {k: float(v) for k, v in s["ratios"].items()}}),
-                  (m.get("sources") or [], m.get("settings") or {})))
+    want, have = binding({"sources": sources, "settings": as_json(s)}), binding(m)
     if have != want:
-        c, differ = m.get("counts") or {}, ["corpus files"] * (have["files"] != want["files"])
-        differ += [k for k in DEFAULTS if have["settings"].get(k) != want["settings"].get(k)]
-        held, asked = (f"{', '.join(p for p, _ in x['files'][:3])}{' ...' * (len(x['files']) > 3)} (corpus_sha256 "
-                       f"{digest_of(dict(x['files']))[:12]})" for x in (have, want))
+        differ = ["corpus files"] * (have["files"] != want["files"]) + [
+            k for k in DEFAULTS if have["settings"].get(k) != want["settings"].get(k)]
         raise fail(f"{paths.rel(out)} is bound to another corpus or settings ({', '.join(differ)} differ): it holds "
-                   f"{held} -> train {c.get('train')} / valid {c.get('valid')} / test {c.get('test')} records, "
-                   f"dataset_sha256 {str(m.get('dataset_sha256'))[:12]}; this export is of {asked}. To replace it "
-                   f"on purpose: {fix}", "export-dataset-bound")
+                   f"{describe(m)}, dataset_sha256 {str(m.get('dataset_sha256'))[:12]}; this export is of "
+                   f"{describe({'sources': sources})}. To replace it on purpose: {fix}", "export-dataset-bound")
     if m.get("exporter", {}).get("version") != EXPORTER_VERSION:
         return "another exporter version"
     bad = [n for n, f in m["files"].items() if not (out / n).is_file() or sha256_file(out / n) != f["sha256"]]
