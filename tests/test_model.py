@@ -156,6 +156,26 @@ def test_quantize_4_gives_a_model_mlx_lm_loads_quantized(hub, tmp_path):
     assert p.returncode == 1 and "(4-bit, group size 64), not" in p.stderr, p.stderr
 
 
+def test_a_failed_build_leaves_the_old_folder_whole(hub, tmp_path):
+    """An MLX 4-bit repository with QUANTIZE=4 fails inside the build: with --replace the folder
+    that was there stays as it was, and no temporary sibling is left."""
+    env, _ = hub
+    src = tmp_path / "src-q4"
+    run([PY, "bin/make_tiny_model.py", "--arch", "gemma4", "--layout", "released", "--quantize", "4",
+         "--out", str(src)])
+    repo = "thunder-test/tiny-gemma4-released-4bit"
+    hub_cache(Path(env["HF_HUB_CACHE"]), repo, src, C1, ("main",))
+    out = tmp_path / "models" / "q"
+    run([PY, "bin/model.py", "--repo", repo, "--out", str(out)], env=env)
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["quantization"] is None and prov["repo_quantization"]["bits"] == 4
+    held = folder_hashes(out)
+    p = run([PY, "bin/model.py", "--repo", repo, "--out", str(out), "--quantize", "4", "--replace"], env=env,
+            check=False)
+    assert p.returncode == 1 and "already quantized" in p.stderr, p.stderr
+    assert folder_hashes(out) == held and [x.name for x in out.parent.iterdir()] == ["q"]
+
+
 def test_unknown_revision_offline_names_the_fix(hub, tmp_path):
     p = fetch(hub, tmp_path / "x", "--revision", "no-such-tag", check=False)
     assert p.returncode == 1 and "cannot resolve" in p.stderr and "HF_HUB_OFFLINE=1" in p.stderr, p.stderr
