@@ -242,10 +242,12 @@ def gather(args) -> types.SimpleNamespace:
     c.global_batch = cfg["batch_size"] * cfg["grad_accumulation_steps"]
     c.per_rank = cfg["batch_size"] // hf.size if cfg["batch_size"] % hf.size == 0 else None
     rec = (c.cal or {}).get("recommendation", {})
-    c.fits = unknown(c.cal_why or rec.get("error", "no recommendation"))
-    if "fits_memory_cap" in rec and c.per_rank:
-        c.fits = True if c.per_rank <= rec["fits_memory_cap"] else False if rec["fits_memory_cap_kind"] == "measured" \
-            else unknown(f"{c.cal['file']}: batch {rec['fits_memory_cap']} fits and larger ones were not measured: "
+    if "fits_memory_cap" not in rec or not c.per_rank:
+        c.fits = unknown(c.cal_why or rec.get("error") or f"batch_size {cfg['batch_size']} is not divisible by {hf.size}")
+    elif c.per_rank <= rec["fits_memory_cap"] or rec["fits_memory_cap_kind"] == "measured":
+        c.fits = c.per_rank <= rec["fits_memory_cap"]
+    else:
+        c.fits = unknown(f"{c.cal['file']}: batch {rec['fits_memory_cap']} fits and larger ones were not measured: "
                          f"run `{cmd['calibrate']} CALIBRATE_ARGS=--budget-s=600`")
     return c
 
@@ -386,12 +388,15 @@ def check(name: str, status: str, detail: str, fix: str = "") -> dict:
 def preflight(c) -> list[dict]:
     cal, p, rec = c.cal or {}, c.parity, (c.cal or {}).get("recommendation", {})
     pc, cc = c.cmd["check-parity"], c.cmd["calibrate"]
-    out = [check("hardware_layer", "pass", f"per-rank batch {c.per_rank} fits every host (largest measured "
-                 f"{rec.get('fits_memory_cap')}; {cal.get('file')})") if c.fits is True else
-           check("hardware_layer", "fail", f"per-rank batch {c.per_rank} does not fit: {rec.get('why')}",
-                 f"edit {c.args.config}: batch_size {rec.get('config_batch_size')}, grad_accumulation_steps "
-                 f"{rec.get('config_grad_accumulation_steps')}") if c.fits is False else
-           check("hardware_layer", "unknown", c.fits["unknown"], cc)]
+    if c.fits is True:
+        out = [check("hardware_layer", "pass", f"per-rank batch {c.per_rank} fits every host (largest measured "
+                     f"{rec['fits_memory_cap']}; {cal['file']})")]
+    elif c.fits is False:
+        out = [check("hardware_layer", "fail", f"per-rank batch {c.per_rank} does not fit: {rec['why']}",
+                     f"edit {c.args.config}: batch_size {rec['config_batch_size']}, grad_accumulation_steps "
+                     f"{rec['config_grad_accumulation_steps']}")]
+    else:
+        out = [check("hardware_layer", "unknown", c.fits["unknown"], cc)]
 
     def layer(name, names, fix):
         bad = [x for x in p.get("checks", []) if {x["name"], x["name"].split(".")[0]} & set(names) and x["status"] == "fail"]
