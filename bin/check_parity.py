@@ -423,29 +423,21 @@ def print_table(result: dict, args) -> None:
           f"warn {n['warn']} duration_s {result['duration_s']}", flush=True)
 
 
-class Deadline(Exception):
-    pass
-
-
 def on_alarm(signum, frame):
-    raise Deadline()
+    raise TimeoutError()
 
 
-def checked(args, lock) -> tuple[list[dict], int]:
-    """(checks, exit code) of a run that holds the lock, bounded by --timeout (SIGALRM)."""
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
+def checked(args) -> tuple[list[dict], int]:
+    """(checks, exit code), bounded by --timeout (SIGALRM); a check that breaks is UNKNOWN, never OK."""
     signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(int(args.timeout) + 3)
     try:
         checks = run_checks(args, time.monotonic() + args.timeout)
         return checks, code_of(checks)
-    except Deadline:
+    except TimeoutError:
         return [check("deadline", "-", "fail", f"the check did not finish within {args.timeout:g} s",
                       "see RUNBOOK.md#parity-ssh")], 3
-    except Exception as e:  # the check itself broke: UNKNOWN, never OK
+    except Exception as e:
         return [check("internal", "-", "fail", f"{type(e).__name__}: {e}",
                       "report it with runs/parity/last.json; see RUNBOOK.md#parity-unknown")], 3
     finally:
@@ -457,23 +449,27 @@ def main() -> int:
     t0, state = time.monotonic(), Path(args.state_dir)
     args.timeout = args.timeout or (600.0 if args.deep else 20.0)
     state.mkdir(parents=True, exist_ok=True)
-    lock = open(state / ".lock", "a+")
-    try:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        checks, code = checked(args, lock)
-    except BlockingIOError:  # another run holds it: say so and touch nothing
-        lock.seek(0)
-        checks, code = [check("lock", "-", "fail", f"another check-parity is running (pid {lock.read().strip() or '?'}"
-                              f" holds {state / '.lock'}); this run exits without checking",
-                              "wait for it to finish; see RUNBOOK.md#parity-lock")], 3
-        lock.close()
-    result = {"status": STATUS[code], "code": code, "checks": checks,
-              "duration_s": round(time.monotonic() - t0, 3), "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if not lock.closed:
-        from lib import atomic
+    with open(state / ".lock", "a+") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another run holds it: say so, touch nothing
+            lock.seek(0)
+            holder, last = lock.read().strip() or "?", None
+            checks, code = [check("lock", "-", "fail", f"another check-parity is running (pid {holder} holds "
+                                  f"{state / '.lock'}); this run exits without checking",
+                                  "wait for it to finish; see RUNBOOK.md#parity-lock")], 3
+        else:
+            lock.truncate(0)
+            lock.write(f"{os.getpid()}\n")
+            lock.flush()
+            checks, code = checked(args)
+            last = state / ("last.json" if args.gate == "all" else f"last-{args.gate}.json")
+        result = {"status": STATUS[code], "code": code, "checks": checks,
+                  "duration_s": round(time.monotonic() - t0, 3), "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        if last is not None:
+            from lib import atomic
 
-        atomic.write_json(state / ("last.json" if args.gate == "all" else f"last-{args.gate}.json"), result)
-        lock.close()
+            atomic.write_json(last, result)
     if args.json:
         print(json.dumps(result, sort_keys=True), flush=True)
     else:

@@ -8,15 +8,12 @@ Usage:
 Example (what `make provision` runs, before check-parity's runtime gate):
     python bin/provision.py --hostfile hostfile.json --python /Users/op/thunder-runbook/.venv/bin/python
 
-PYTHON must be a venv's interpreter (<venv>/bin/python); the venv is made at that same absolute path on
-every host. Per host, in parallel: find Python X.Y (default: this interpreter's, the one the lock was
-tested with; --base-python, pythonX.Y on PATH, Homebrew, python.org, /usr/bin); a host of this machine's
-platform gets the lock's wheels from here (downloaded once into runs/wheelhouse/<tag>/ with pip download
---require-hashes and rsynced beside the venv: no index needed, the same bytes everywhere), others use
-their own index; keep the venv when it runs at X.Y, else build it anew (a folder that is not a venv, or a
-system prefix, is never deleted); pip install --require-hashes --no-deps --no-compile the lock (sent on
-stdin), pip check, and the lock's sha256 in <venv>/.provisioned. This machine's own venv (127.0.0.1, or a
-host that sees the same folder: self-ssh, a shared filesystem) is make setup's and is left alone.
+Per host, in parallel, the venv at PYTHON's absolute path (<venv>/bin/python): find Python X.Y (this one's;
+--base-python, PATH, Homebrew, python.org, /usr/bin); ship this machine's wheels of the lock (downloaded
+once into runs/wheelhouse/) to hosts of its platform, others use their index; keep a venv that runs X.Y,
+else build it anew (never a non-venv folder or a system prefix); pip install --require-hashes --no-deps
+--no-compile the lock, pip check, record its sha256 in <venv>/.provisioned. This machine's own venv
+(make setup's; also when a host sees the same folder: self-ssh, a shared filesystem) is left alone.
 """
 
 from __future__ import annotations
@@ -74,11 +71,10 @@ exit 21
 # PROVISION_SH $1 = X.Y, $2 = venv, $3 = lock sha256, $4 = base python, $5 = "1" to recreate,
 # $6 = wheel folder on the host ("" = the package index); the lock on stdin.
 PROVISION_SH = r"""
-set -u
 want=$1; venv=$2; sha=$3; base=$4; recreate=$5; wheels=$6
-tmp=$(mktemp "${TMPDIR:-/tmp}/provision-lock.XXXXXX") || exit 20
-trap 'rm -f "$tmp"' EXIT
-cat > "$tmp"
+lock=$(mktemp "${TMPDIR:-/tmp}/provision-lock.XXXXXX") || exit 20
+trap 'rm -f "$lock"' EXIT
+cat > "$lock"
 vpy="$venv/bin/python"
 state=create
 if [ -e "$venv" ]; then
@@ -87,28 +83,25 @@ if [ -e "$venv" ]; then
   if [ "$recreate" != 1 ] && [ "$have" = "$want" ] && "$vpy" -m pip --version </dev/null >/dev/null 2>&1; then
     state=repair
   else
-    echo "@@ recreate was=$have"
     rm -rf "$venv" || { echo "@@ error cannot-remove $venv"; exit 23; }
   fi
 fi
 if [ "$state" = create ]; then "$base" -m venv "$venv" </dev/null || { echo "@@ error venv-failed $venv"; exit 25; }; fi
 echo "@@ venv $state"
-cp "$tmp" "$venv/requirements.lock.tmp" && mv "$venv/requirements.lock.tmp" "$venv/requirements.lock" || exit 26
 if [ -n "$wheels" ]; then set -- --no-index --find-links "$wheels"; else set --; fi
 start=$(date +%s)
 "$vpy" -m pip install --quiet --disable-pip-version-check --no-input --require-hashes --no-deps --no-compile "$@" \
-  -r "$venv/requirements.lock" </dev/null || { echo "@@ error pip-install"; exit 27; }
+  -r "$lock" </dev/null || { echo "@@ error pip-install"; exit 27; }
 "$vpy" -m pip check </dev/null || { echo "@@ error pip-check"; exit 28; }
 echo "$sha" > "$venv/.provisioned.tmp" && mv "$venv/.provisioned.tmp" "$venv/.provisioned"
 echo "@@ installed $(( $(date +%s) - start ))"
 """
 FIXES = {
-    "no-python": "install Python {want} on the host (macOS: brew install python@{want}; Debian/Ubuntu: apt-get "
-                 "install python{want} python{want}-venv), or name it with BASE_PYTHON=/path/to/python{want}",
+    "no-python": "install Python {want} on the host (macOS: brew install python@{want}; Debian/Ubuntu: apt-get install "
+                 "python{want} python{want}-venv), or name it with BASE_PYTHON=/path/to/python{want}",
     "not-a-venv": "PYTHON's folder exists but is not a venv: move it away or point PYTHON elsewhere",
     "venv-failed": "the host's Python cannot create a venv (Debian: apt-get install python{want}-venv)",
-    "pip-install": "pip could not install the lock (no index access, and the host is not of this machine's "
-                   "platform to get its wheels? see the lines above)",
+    "pip-install": "pip could not install the lock: no index access, and not this machine's platform (see above)",
     "pip-check": "installed packages conflict: re-run with RECREATE=1",
     "cannot-create": "the venv's parent folder cannot be created: check permissions on the host",
 }
@@ -181,10 +174,24 @@ def run_sh(host: str, script: str, argv: list[str], stdin_text: str, timeout: fl
         timer.cancel()
 
 
-def provision_host(host: str, args, venv: str, lock: str, marker: str, shared: dict) -> dict:
-    """One host: find Python X.Y, ship the wheels (to a host of this machine's platform), build or
-    repair the venv. The record says what happened: skipped, an error with its fix, or the facts."""
-    t0, rec = time.monotonic(), {"host": host, "wheels": "index", "error": None}
+def ship_wheels(host: str, venv: str, args, shared: dict, say) -> tuple[str, str]:
+    """(the wheel folder on the host, or "" for its index; an error): this machine's wheels of the lock,
+    downloaded by the first host that needs them, rsynced beside the venv."""
+    with shared["wheels"]:
+        if "house" not in shared:
+            shared["house"] = wheelhouse(shared["lock_sha"], args.python_version, say)
+    house = shared["house"]
+    if house is None or is_local(host):
+        return str(house or ""), ""
+    p = subprocess.run(["rsync", "-a", "--delete", "-e", rsh(), f"{house}/", f"{host}:{venv}.wheels/"],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=args.timeout)
+    return f"{venv}.wheels", p.returncode and f"wheels: rsync to {host} exited {p.returncode}: {p.stderr[-300:]}"
+
+
+def provision_host(host: str, args, venv: str, lock: str, marker: str, shared: dict) -> bool:
+    """One host: find Python X.Y, ship the wheels to a host of this machine's platform, build or repair
+    the venv; print the outcome (an error names its fix). True when the host is ready."""
+    t0, wheels, base = time.monotonic(), "", "?"
 
     def say(line: str) -> None:
         with shared["print"]:
@@ -192,34 +199,31 @@ def provision_host(host: str, args, venv: str, lock: str, marker: str, shared: d
 
     rc, facts = run_sh(host, FIND_SH, [args.python_version, args.base_python, venv, marker], "", 120, say)
     if rc == 0 and "self" in facts:
-        return dict(rec, skipped="PYTHON's venv on this host is this machine's own .venv (make setup's)")
+        with shared["print"]:
+            event("provision", host=host, status="skipped", why="PYTHON's venv on this host is this machine's own "
+                  ".venv (make setup's)")
+        return True
     if rc == 0 and "base" in facts:
         real, version, plat, machine = (facts.get("facts", "") + " ? ? ? ?").split()[:4]
-        rec["base"], wheels = f"{real}@{version}", ""
+        base = f"{real}@{version}"
         if (plat, machine, args.python_version) == (sys.platform, platform.machine(), "{}.{}".format(*sys.version_info)):
-            with shared["wheels"]:  # downloaded by the first host that needs them
-                if "house" not in shared:
-                    shared["house"] = wheelhouse(shared["lock_sha"], args.python_version, say)
-            wheels = str(shared["house"] or "") if is_local(host) or not shared["house"] else f"{venv}.wheels"
-            if shared["house"] and not is_local(host):
-                p = subprocess.run(["rsync", "-a", "--delete", "-e", rsh(), f"{shared['house']}/", f"{host}:{wheels}/"],
-                                   stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=args.timeout)
-                if p.returncode:
-                    rc, facts["error"] = 30, f"wheels: rsync to {host}:{wheels} exited {p.returncode}: {p.stderr[-300:]}"
-            rec["wheels"] = "shipped" if wheels else "index"
+            wheels, facts["error"] = ship_wheels(host, venv, args, shared, say)
+            rc = 30 if facts["error"] else 0
         if rc == 0:
             rc, facts = run_sh(host, PROVISION_SH, [args.python_version, venv, shared["lock_sha"], facts["base"],
                                                     "1" if args.recreate else "0", wheels], lock, args.timeout, say)
-    rec.update(facts=facts, wall_s=round(time.monotonic() - t0, 1))
-    err = facts.get("error", "")
-    if rc == -9:
-        rec["error"] = f"timed out after {args.timeout:g} s"
-    elif rc == 255 and not err:
-        rec["error"] = "ssh failed (make check-parity names the cause and its fix)"
-    elif rc != 0:
+    err, wall = facts.get("error") or "", round(time.monotonic() - t0, 1)
+    with shared["print"]:
+        if rc == 0:
+            event("provision", host=host, status="ok", venv=facts.get("venv", "?"), base=base,
+                  wheels="shipped" if wheels else "index", pip_s=facts.get("installed", "?"), wall_s=wall)
+            return True
         fix = FIXES.get(err.split(" ", 1)[0], "see the lines above").format(want=args.python_version)
-        rec["error"] = f"{err or f'exit {rc}'}; fix: {fix}"
-    return rec
+        why = (f"timed out after {args.timeout:g} s" if rc == -9 else "ssh failed (make check-parity names the cause "
+               "and its fix)" if rc == 255 and not err else f"{err or f'exit {rc}'}; fix: {fix}")
+        event("provision", host=host, status="FAILED", wall_s=wall)
+        print(f"error: {host}: {why}; see RUNBOOK.md#provision", file=sys.stderr, flush=True)
+    return False
 
 
 def main() -> int:
@@ -247,21 +251,11 @@ def main() -> int:
         if mine:
             (Path(sys.prefix) / marker).write_text("provision: this machine's own venv\n")
         with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
-            recs = list(pool.map(lambda h: provision_host(h, args, venv, lock, marker, shared), hosts))
+            ok = all(list(pool.map(lambda h: provision_host(h, args, venv, lock, marker, shared), hosts)))
     finally:
         if mine:
             (Path(sys.prefix) / marker).unlink(missing_ok=True)
-    for r in recs:
-        if r.get("skipped"):
-            event("provision", host=r["host"], status="skipped", why=r["skipped"])
-        elif r["error"]:
-            event("provision", host=r["host"], status="FAILED", wall_s=r["wall_s"])
-            print(f"error: {r['host']}: {r['error']}; see RUNBOOK.md#provision", file=sys.stderr, flush=True)
-        else:
-            event("provision", host=r["host"], status="ok", venv=r["facts"].get("venv", "?"), base=r["base"],
-                  wheels=r["wheels"], pip_s=r["facts"].get("installed", "?"), wall_s=r["wall_s"])
-    ok = not any(r["error"] for r in recs)
-    event("provision-summary", hosts=len(recs), ok=ok, wall_s=round(time.monotonic() - t0, 1))
+    event("provision-summary", hosts=len(hosts), ok=ok, wall_s=round(time.monotonic() - t0, 1))
     return 0 if ok else 1
 
 

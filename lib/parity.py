@@ -1,14 +1,10 @@
-"""Host parity facts for bin/check_parity.py: the probe call, ssh failures, the lock, topology.
+"""check-parity's orchestrator side: the probe call, ssh failures, the lock, topology, macOS tools.
 
-- probe(host, ...): one call per host (ssh; local for 127.0.0.1, as mlx.launch does) that runs
-  lib/parity_probe.py under the host's PYTHON, or its python3 when PYTHON does not run.
-- ssh_failure(host, result): what a failed ssh means, and the command that fixes it.
-- lock_pins(lock_text, marker_env): the versions requirements.lock pins for one host.
-- peers_of(hostfile): the IPs each host's ranks talk to (ring neighbours; jaccl: every rank).
-- parse_* / thunderbolt_facts / rdma_*: macOS tools' output (networksetup, ifconfig,
-  system_profiler -json, ibv_devices), unit-tested from the recordings in tests/fixtures/macos/.
-Example: `parity.probe("mac5", "/Users/op/thunder-runbook/.venv/bin/python", "/Users/op/thunder-runbook",
-{"parts": ["runtime"]}, 20)` -> ({"python": {...}, "disk": {...}, ...}, Result).
+probe() runs lib/parity_probe.py on a host (ssh; local for 127.0.0.1, as mlx.launch does) under its
+PYTHON, or its python3 when PYTHON does not run; ssh_failure() names what a failed ssh means and its
+fix; lock_pins() is requirements.lock for one host's markers; peers_of() the IPs each host's ranks
+talk to; parse_*, thunderbolt_facts and rdma_* read macOS tools' output (tests: tests/fixtures/macos/).
+Example: `parity.probe("mac5", PYTHON, REMOTE_ROOT, {"parts": ["runtime"]}, 20)` -> (facts, Result).
 """
 
 from __future__ import annotations
@@ -28,10 +24,8 @@ CODE_PARTS = ["bin", "lib", "configs", "requirements.lock"]
 PACKAGES = ["mlx", "mlx-lm", "numpy", "transformers", "tokenizers", "safetensors", "mlx-cpu", "mlx-metal"]
 MLX_MIN = (0, 32, 1)
 
-# $1 = PYTHON, $2 = REMOTE_ROOT, $3 = the probe's parameters (JSON); the probe's source on stdin.
-# A constant script: every value arrives as a positional argument, never as shell text. When
-# PYTHON is missing or dies before printing (a crash importing mlx), the host's python3 runs the
-# probe with --fallback and what went wrong; with no Python at all the shell reports the disk.
+# A constant script: $1 = PYTHON, $2 = REMOTE_ROOT, $3 = the probe's JSON parameters, its source on stdin.
+# PYTHON missing or dying before it prints: python3 runs it with --fallback; no Python: the shell says so.
 PROBE_SH = r"""
 py=$1; root=$2; params=$3
 src=$(cat)
@@ -111,8 +105,7 @@ LOCK_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)\s*(?:;\s*(.*
 
 
 def lock_pins(text: str, env: dict) -> dict[str, str]:
-    """{normalized name: version} that a uv/pip-compile lock installs on a host with this PEP 508
-    marker environment."""
+    """{normalized name: version} a uv/pip-compile lock installs on a host with this PEP 508 marker env."""
     from packaging.markers import Marker
 
     pins = {}
@@ -169,13 +162,11 @@ def parse_ibv_devices(text: str) -> list[str]:
 
 
 def parse_thunderbolt(text: str) -> list[dict]:
-    """`system_profiler SPThunderboltDataType -json` -> one entry per port of this Mac:
-    {"bus", "receptacle", "status", "speed", "peers": [names of the devices connected]}."""
+    """`system_profiler SPThunderboltDataType -json` -> per port: {"receptacle", "speed", "peers": [devices]}."""
     ports = []
     for bus in json.loads(text).get("SPThunderboltDataType", []):
         tag = next((v for k, v in bus.items() if k.startswith("receptacle_") and isinstance(v, dict)), {})
-        ports.append({"bus": bus.get("_name", ""), "receptacle": tag.get("receptacle_id_key", "?"),
-                      "status": tag.get("receptacle_status_key", ""), "speed": tag.get("current_speed_key", ""),
+        ports.append({"receptacle": tag.get("receptacle_id_key", "?"), "speed": tag.get("current_speed_key", ""),
                       "peers": [i.get("device_name_key") or i.get("_name", "?") for i in bus.get("_items", [])]})
     return ports
 
@@ -183,10 +174,9 @@ def parse_thunderbolt(text: str) -> list[dict]:
 def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
     """(pass|warn|fail, detail): each of this host's hostfile IPs sits on a Thunderbolt
     interface that is up, with a Thunderbolt peer connected."""
-    ports = parse_hardware_ports(outputs.get("networksetup") or "")
-    ifaces = parse_ifconfig(outputs.get("ifconfig") or "")
-    sp = outputs.get("system_profiler")
-    tb = parse_thunderbolt(sp) if isinstance(sp, str) and sp else []
+    out = {k: v if isinstance(v, str) else "" for k, v in outputs.items()}  # a tool that failed: {"error": ...}
+    ports, ifaces = parse_hardware_ports(out.get("networksetup", "")), parse_ifconfig(out.get("ifconfig", ""))
+    tb = parse_thunderbolt(out["system_profiler"]) if out.get("system_profiler") else []
     problems, warns, notes = [], [], []
     for ip in ips:
         iface = next((name for name, f in ifaces.items() if ip in f["inet"]), None)
@@ -216,14 +206,10 @@ def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
 
 def rdma_wanted(row: list) -> list[str]:
     """The device names of one rank's rdma row (null on the diagonal; an entry may be a list)."""
-    out: list[str] = []
-    for d in (d for entry in row for d in (entry if isinstance(entry, list) else [entry])):
-        if d and d not in out:
-            out.append(d)
-    return out
+    return [d for d in dict.fromkeys(d for e in row for d in (e if isinstance(e, list) else [e])) if d]
 
 
 def rdma_missing(wanted: list[str], ibv_output: str) -> tuple[list[str], list[str]]:
     """(missing, listed): the hostfile's rdma devices that `ibv_devices` does not list."""
-    listed = parse_ibv_devices(ibv_output or "")
+    listed = parse_ibv_devices(ibv_output if isinstance(ibv_output, str) else "")
     return [d for d in wanted if d not in listed], listed

@@ -1,12 +1,9 @@
-"""The host side of check-parity: one self-contained probe that prints one JSON object.
+"""The host side of check-parity: one self-contained probe that prints one JSON object of facts.
 
-lib/parity.py's PROBE_SH sends this file's source to `<PYTHON> -c <source> '<params json>'` over
-one ssh call per host, and again to the host's python3 with `--fallback <why>` when PYTHON is
-missing or crashes, so disk, code and link facts are still reported. Standard library only, any
-Python >= 3.8 (macOS's /usr/bin/python3 is 3.9): it runs before the host's venv is known to be
-good. It only reads; nothing on the host changes. bin/calibrate.py reuses probe_memory().
-
-Usage (what check-parity runs for 127.0.0.1; a debugging aid):
+lib/parity.py's PROBE_SH runs this source as `<PYTHON> -c <source> '<params json>'` (one ssh call per
+host), or under the host's python3 with `--fallback <why>` when PYTHON is missing or crashes. Standard
+library only, Python >= 3.8 (macOS's /usr/bin/python3 is 3.9); it only reads. calibrate reuses
+probe_memory(). Local use, a debugging aid:
     python lib/parity_probe.py '{"remote_root": "/Users/op/thunder-runbook", "parts": ["runtime"]}'
 """
 
@@ -136,15 +133,11 @@ def probe_ips(ips):
     out = {}
     for ip in ips:
         with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
-            try:
-                s.bind((ip, 0))
-                out[ip] = True
-            except OSError:
-                out[ip] = False
+            out[ip] = guard(s.bind, (ip, 0)) is None
     return out
 
 
-def probe_link(peers, port, timeout, enough_ms, tries=7):
+def probe_link(peers, enough_ms, port=22, timeout=1.0, tries=7):
     """Round trip to each peer IP: the minimum TCP handshake time to `port` over up to `tries`
     (the peer's kernel answers; the rest is this host's scheduling). A refused connection is an
     answer too. After two handshakes under `enough_ms` the rest are skipped: each accepted one
@@ -206,8 +199,7 @@ def main(argv):
         if not fallback:
             res.update(packages=guard(installed_dists), mlx=guard(probe_mlx))
         res.update(memory=guard(probe_memory), ips=guard(probe_ips, p.get("own_ips", [])),
-                   link=guard(probe_link, p.get("peers", []), int(p.get("link_port", 22)),
-                              float(p.get("link_timeout", 1.0)), float(p.get("link_enough_ms", 0.5))))
+                   link=guard(probe_link, p.get("peers", []), float(p.get("link_enough_ms", 0.5))))
         if sys.platform == "darwin":
             res["macos"] = probe_macos(bool(p.get("rdma")))
     if "content" in parts:  # code and dataset always hashed; the model with --deep
