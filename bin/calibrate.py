@@ -10,19 +10,18 @@ Example (what `make calibrate` runs after sync and check-parity):
     python bin/calibrate.py --hostfile hostfile.json --model models/tiny-gemma4 \
         --config configs/stage1.yaml --remote-root "$PWD" --python "$PWD/.venv/bin/python"
 
-1. compute, one host at a time (as the control runs): bin/train.py's model, LoRA and optimizer
-   with mlx-lm's compiled step on random max_seq_length batches of 1, 2, 4, ... and the config's
-   sizes until the predicted peak memory passes --mem-fraction of the ceiling (Metal's working
+1. compute, one host at a time over ssh (as the control runs): bin/train.py's model preparation,
+   optimizer and compiled step on random max_seq_length batches of 1, 2, 4, ... and the config's
+   sizes, until the predicted peak memory passes --mem-fraction of the ceiling (Metal's working
    set; Linux: MemAvailable), an allocation fails, or --budget-s would run out.
-2. link, every rank under mlx.launch: the step at the per-rank batch with every rank computing,
-   the gradient all-reduce (mlx.nn.average_gradients), all_sum of --min-bytes..--max-bytes
+2. link, every rank under mlx.launch: that step (its gradient all-reduce included) at the per-rank
+   batch with every rank computing, the all-reduce alone, all_sum of --min-bytes..--max-bytes
    (busbw = bytes / time x 2(N-1)/N, as slow as the slowest rank) and one bare TCP baseline:
-   --max-bytes both ways at once between rank 0 and rank 1's hostfile IP. glibc ranks keep
-   freed memory for reuse, as Metal's buffer cache does.
-expected_speedup = control step (rank 0's host alone, batch_size) / (slowest rank's step at
-batch_size / N with every rank computing + gradient all-reduce + a small all_sum per micro-step).
-Writes runs/calibration-<UTC>.json (compare and plan read it). Exit 0 written, 1 a phase failed
-(nothing written), 2 bad input.
+   --max-bytes both ways at once between rank 0 and rank 1's hostfile IP. glibc ranks keep freed
+   memory for reuse, as Metal's buffer cache does.
+expected_speedup = control step (rank 0's host alone at batch_size) / dual step (the slowest rank
+at batch_size / N with every rank computing). Writes runs/calibration-<UTC>.json (compare and plan
+read it). Exit 0 written, 1 a phase failed (nothing written), 2 bad input.
 """
 
 from __future__ import annotations
@@ -45,11 +44,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, paths  # noqa: E402
-from lib.log import CATEGORIES, OOM_RE, RunbookError, die, event  # noqa: E402
+from lib.log import OOM_RE, PARITY, RunbookError, die, event, failure  # noqa: E402
 
 ANCHOR, FORMAT, RESULT, MiB = "calibrate", "thunder-runbook/calibration", "calibrate-result ", 1 << 20
 SCRIPT = "bin/calibrate.py"
-PARITY = next(c for c, a in CATEGORIES.items() if a == "runtime-parity")
 
 
 def facts() -> dict:
@@ -362,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def stream(argv: list[str], timeout: float, what: str, fix: str, anchor=ANCHOR, category=None) -> dict:
+def stream(argv: list[str], timeout: float, what: str, fix: str, category: str | None = None) -> dict:
     """Run argv, echo its lines but the result line; the result, else an error with its last lines."""
     from lib.launch import stop_group
 
@@ -383,7 +381,8 @@ def stream(argv: list[str], timeout: float, what: str, fix: str, anchor=ANCHOR, 
     timer.cancel()
     if rc or result is None:
         why = f"timed out after {timeout:g} s" if fired else f"exit {rc}"
-        raise RunbookError(f"{what} ({why}):\n" + "\n".join(tail) + f"\n{fix}", anchor, category)
+        message = f"{what} ({why}):\n" + "\n".join(tail) + f"\n{fix}"
+        raise failure(category, message) if category else RunbookError(message, ANCHOR)
     return result
 
 
@@ -422,7 +421,7 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
     event("calibrate-phase", phase="link", world_size=hf.size, backend=hf.backend or "ring",
           per_rank_batch=per_rank_batch or "-", max_bytes=args.max_bytes)
     res = stream(argv, args.timeout_s, "the link probe failed", f"check `make check-parity HOSTFILE={args.hostfile}` "
-                 "(ssh, interpreter, code on every host) and the ring ports", CATEGORIES[PARITY], PARITY)
+                 "(ssh, interpreter, code on every host) and the ring ports", PARITY)
     rows = res.pop("allsum")
     # large messages: the best over the sizes >= a quarter of the largest (one disturbed size is not the link)
     top = max((r for r in rows if r["bytes"] >= rows[-1]["bytes"] / 4), key=lambda r: r["best_busbw_gbps"])

@@ -40,7 +40,7 @@ from lib import config as C  # noqa: E402
 from lib.hashing import digest_of, sha256_file, tree_hashes  # noqa: E402
 from lib.hostfile import check_path  # noqa: E402
 from lib.hostfile import load as load_hostfile  # noqa: E402
-from lib.log import CATEGORIES, RunbookError, die, event  # noqa: E402
+from lib.log import CATEGORIES, THUNDER, RunbookError, die, event  # noqa: E402
 
 ANCHOR, VERSION, CHUNK = "plan", "2.0.0", 50_000  # CHUNK: the assistant's coordinator chunking threshold
 SECTIONS = ("strategy", "batch_configuration", "distributed_config", "rdma_config", "checkpoint_strategy",
@@ -422,7 +422,7 @@ def preflight(c) -> list[dict]:
     out.append(check("performance_layer", "unknown", c.cal_why or cal["unknown"].get("expected_speedup", "?"), cc)
                if exp is None else check("performance_layer", "pass" if exp > c.min_speedup else "fail",
                                          f"expected speedup {exp:.2f}x vs the required {c.min_speedup:g}x ({cal['file']})",
-                                         f"see RUNBOOK.md#{CATEGORIES['the Thunder path itself']}; then {cc}"))
+                                         f"see RUNBOOK.md#{CATEGORIES[THUNDER]}; then {cc}"))
     verified = {h["host"] for h in (c.sync or {}).get("hosts", []) if h.get("verified")}
     out.append(check("pre_rdma_sync", "unknown", f"no sync for run {c.args.run} yet", c.cmd["sync"]) if not c.sync else
                check("pre_rdma_sync", "pass" if c.sync.get("ok") and verified >= set(c.hf.unique_ssh()) else "fail",
