@@ -124,7 +124,7 @@ class Stepper:
 
 def compute_sweep(stepper: Stepper, spec: dict, emit) -> dict:
     """Batch sizes upward until predicted memory, an allocation failure or the time budget says stop."""
-    mx, t_start, (total, source) = stepper.mx, time.monotonic(), memory_ceiling(stepper.mx)
+    mx, t_start, (total, source) = stepper.mx, time.monotonic(), spec.get("ceiling") or memory_ceiling(stepper.mx)
     ceiling, over = total * spec["mem_fraction"] if total else None, f"{spec['mem_fraction']:g} x {(total or 0) / 1e9:.2f} GB"
     sizes = set(spec["must"]) | {2**k for k in range(spec["max_batch"].bit_length())}
     rows, stop = [], {"reason": "max_batch", "detail": "measured every size up to --max-batch and the config's"}
@@ -162,7 +162,10 @@ def compute_sweep(stepper: Stepper, spec: dict, emit) -> dict:
 
 def compute_probe(spec: dict) -> int:
     """One host alone: load, then the batch sweep; the result as one line."""
-    host, f, stepper = spec["host"], facts(), Stepper(spec["cfg"])
+    import mlx.core as mx
+
+    host, f, spec["ceiling"] = spec["host"], facts(), memory_ceiling(mx)  # before the model takes its share
+    stepper = Stepper(spec["cfg"])
     event("calibrate-load", host=host, load_s=round(stepper.load_s, 3), trainable_params=stepper.trainable_params)
     out = compute_sweep(stepper, spec, lambda r: event(
         "calibrate-compute", host=host, batch=r["batch"], step_s=r["step_s"], **{"tok/s": r["tok_per_s"]},
