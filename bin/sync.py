@@ -43,7 +43,7 @@ from lib.log import RunbookError, die, event  # noqa: E402
 from lib.remote import CONTROL_ENV, close_masters, rsh, run_on  # noqa: E402
 
 CODE = ["bin", "lib", "configs", "Makefile", "requirements.lock"]
-PROBE_TIMEOUT, RSYNC_TIMEOUT, RSYNC_IO_TIMEOUT = 60, 3600, 300  # seconds; the last: rsync's --timeout
+SWAP_TIMEOUT, LONG_TIMEOUT, RSYNC_IO_TIMEOUT = 60, 3600, 300  # s; LONG: a probe (it hashes GBs) or an rsync
 MODEL_LOCK = threading.Lock()
 HOME_RE = re.compile(r"^/(root|var/root|home/[^/]+|Users/[^/]+)/?$")
 PLAIN_PATH_RE = re.compile(r"^[A-Za-z0-9_./+-]+$")
@@ -169,7 +169,7 @@ def model_hashes(files: tuple[str, ...]) -> dict[str, str]:
 
 def probe(host: str, local: bool, root: str, args: list[str]) -> dict:
     """Run PROBE_SH (args: mode, mkdir, folder to list, files...); {hash: {path: sha256}, live, exists}."""
-    r = run_on(host, ["sh", "-c", PROBE_SH, "sh", root, *args], timeout=PROBE_TIMEOUT, local=local)
+    r = run_on(host, ["sh", "-c", PROBE_SH, "sh", root, *args], timeout=LONG_TIMEOUT, local=local)
     if not r.ok:
         raise RunbookError(f"{host}: probe failed (exit {r.returncode}): {r.stderr.strip()[:400]}", "sync-ssh")
     lines = r.stdout.splitlines()
@@ -196,7 +196,7 @@ def rsync(host: str, args, rsync_args: list[str]) -> tuple[int | None, list[str]
             *([f"--rsync-path={args.rsync_path}"] if args.rsync_path else []),
             *(["--dry-run"] if args.dry_run else []), *([f"--bwlimit={args.bwlimit}"] if args.bwlimit else []),
             *rsync_args]
-    p = subprocess.run(argv, cwd=paths.ROOT, capture_output=True, text=True, timeout=RSYNC_TIMEOUT,
+    p = subprocess.run(argv, cwd=paths.ROOT, capture_output=True, text=True, timeout=LONG_TIMEOUT,
                        stdin=subprocess.DEVNULL)
     if p.returncode != 0:
         raise RunbookError(f"{host}: {args.rsync} exited {p.returncode}: {p.stderr.strip()[:600]}", "sync-ssh")
@@ -273,7 +273,7 @@ def sync_host(host: str, args, plan: dict) -> dict:
         after = probe(host, local, root, ["ro", "-", "-", *sent])["hash"]
         good = all(after.get(s) == want[f] for s, f in staged.items())
         if staged and good:
-            r = run_on(host, ["sh", "-c", SWAP_SH, "sh", root, name], local=local, timeout=PROBE_TIMEOUT)
+            r = run_on(host, ["sh", "-c", SWAP_SH, "sh", root, name], local=local, timeout=SWAP_TIMEOUT)
             if not r.ok:
                 raise RunbookError(f"{host}: swapping datasets/.{name}.incoming in failed (exit {r.returncode}): "
                                    f"{r.stderr.strip()[:400]}", "sync-ssh")
