@@ -291,7 +291,7 @@ def sync_all(hosts: list[str], args, plan: dict) -> list[dict]:
         except RunbookError as e:
             return {"host": h, "error": str(e)}
         except subprocess.TimeoutExpired as e:
-            return {"host": h, "error": f"{h}: timed out: {e}; see RUNBOOK.md#sync-ssh"}
+            return {"host": h, "error": f"{h}: rsync timed out after {e.timeout:g} s; see RUNBOOK.md#sync-ssh"}
 
     os.environ[CONTROL_ENV] = ctl = tempfile.mkdtemp(prefix="thsync-", dir="/tmp")  # a socket path: <= 104 B
     try:
