@@ -31,9 +31,9 @@ import platform
 import re
 import signal
 import sys
-import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -336,7 +336,8 @@ def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
     return checks + (model_note(args) if "content" in GATES[args.gate] else [])
 
 
-def probe_host(args, h: str, hf, peers: dict, deadline: float, results: dict, errors: list) -> None:
+def probe_host(args, h: str, hf, peers: dict, deadline: float) -> tuple:
+    """(facts or None, Result, seconds) of one host's probe."""
     params = {"python": args.python, "remote_root": args.root, "parts": GATES[args.gate], "peers": peers.get(h, []),
               "own_ips": list(dict.fromkeys(ip for r in hf.hosts if r.ssh == h for ip in r.ips)),
               "link_enough_ms": RTT_WARN_MS / 4, "rdma": hf.backend.startswith("jaccl"),
@@ -344,11 +345,8 @@ def probe_host(args, h: str, hf, peers: dict, deadline: float, results: dict, er
               "dataset_parts": args.dataset_parts,
               "dataset_path": os.path.join(args.root, "datasets", args.dataset) if args.dataset else None}
     t0 = time.monotonic()
-    try:
-        facts, r = parity.probe(h, args.python, args.root, params, max(1.0, deadline - t0 - 0.5))
-        results[h] = (facts, r, time.monotonic() - t0)
-    except BaseException as e:  # re-raised by run_checks: the check itself broke (UNKNOWN)
-        errors.append(e)
+    facts, r = parity.probe(h, args.python, args.root, params, max(1.0, deadline - t0 - 0.5))
+    return facts, r, time.monotonic() - t0
 
 
 def run_checks(args, deadline: float) -> list[dict]:
@@ -360,16 +358,10 @@ def run_checks(args, deadline: float) -> list[dict]:
     hosts, peers = hf.unique_ssh(), parity.peers_of(hf)
     mine = local_probe.probe_ips([ip for r in hf.hosts if not is_local(r.ssh) for ip in r.ips])
     args.self_hosts = {r.ssh for r in hf.hosts if not is_local(r.ssh) and any(mine.get(ip) for ip in r.ips)}
-    results, errors = {}, []
-    threads = [threading.Thread(target=probe_host, args=(args, h, hf, peers, deadline, results, errors),
-                                daemon=True) for h in hosts]
-    for t in threads:
-        t.start()
-    ref = local_reference(args)  # hashed here while the hosts answer
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    with ThreadPoolExecutor(len(hosts)) as pool:  # every probe bounded by the deadline (subprocess timeout)
+        running = {h: pool.submit(probe_host, args, h, hf, peers, deadline) for h in hosts}
+        ref = local_reference(args)  # hashed here while the hosts answer
+        results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
     links = {h: f.get("link") for h, (f, _, _) in results.items() if f and "error" not in (f.get("link") or {"error"})}
     args.rtts = {h: max(v["rtt_ms"] for v in link.values()) for h, link in links.items()
                  if all(v["rtt_ms"] is not None for v in link.values())}

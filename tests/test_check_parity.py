@@ -39,9 +39,13 @@ def macos(name: str) -> dict:
     return {k: (d / f).read_text() for k, f in files.items() if (d / f).exists()}
 
 
+TREE: list[Path] = []  # the frozen copy of this checkout (the `tree` fixture), the default of check_parity()
+
+
 def check_parity(*args, hostfile="hostfile.local.json", python=PYTHON, remote_root=None, env=None,
-                 state_dir=None, timeout=60, tree=ROOT):
-    """bin/check_parity.py --json of `tree` (this checkout, or the frozen copy), run from there."""
+                 state_dir=None, timeout=60, tree=None):
+    """bin/check_parity.py --json of `tree` (default: the frozen copy), run from there."""
+    tree = tree or TREE[0]
     cmd = [PY, str(tree / "bin" / "check_parity.py"), "--hostfile", str(hostfile), "--python", python,
            "--remote-root", str(remote_root or tree), "--json", *args]
     if state_dir is not None:
@@ -244,9 +248,9 @@ def test_local_default_is_ok_with_one_json_object(tmp_path):
     assert json.loads((tmp_path / "last.json").read_text()) == out
 
 
-def test_table_is_the_default_and_ends_with_the_status_line(tmp_path):
+def test_table_is_the_default_and_ends_with_the_status_line(tree, tmp_path):
     p = run([PY, "bin/check_parity.py", "--hostfile", "hostfile.local.json", "--python", PYTHON,
-             "--remote-root", str(ROOT), "--model=", "--dataset=", "--state-dir", str(tmp_path)])
+             "--remote-root", str(tree), "--model=", "--dataset=", "--state-dir", str(tmp_path)], cwd=tree)
     lines = p.stdout.strip().splitlines()
     assert lines[-1].startswith("check-parity status OK code 0 checks ")
     assert any(ln.split()[:3] == ["pass", "runtime.mlx", "127.0.0.1"] for ln in lines)
@@ -268,21 +272,23 @@ def plugin_status(stdout: str, rc: int) -> str:
     return first
 
 
-def test_text_output_starts_with_the_monitoring_plugin_line(tmp_path):
-    args = [PY, "bin/check_parity.py", "--hostfile", "hostfile.local.json", "--python", PYTHON, "--model=",
-            "--dataset=", "--state-dir", str(tmp_path)]
-    p = run([*args, "--remote-root", str(ROOT)])
+def test_text_output_starts_with_the_monitoring_plugin_line(tree, tmp_path):
+    """The frozen tree is both this machine's checkout and 127.0.0.1's REMOTE_ROOT (this checkout may
+    change under the test: other work edits it)."""
+    args = [PY, str(tree / "bin" / "check_parity.py"), "--hostfile", str(ROOT / "hostfile.local.json"), "--python",
+            PYTHON, "--model=", "--dataset=", "--state-dir", str(tmp_path)]
+    p = run([*args, "--remote-root", str(tree)])
     first = plugin_status(p.stdout, p.returncode)
     assert first.startswith("PARITY OK - runtime OK; content OK | duration=") and " failed=0;;;0 warned=0;;;0 " in first
     assert re.search(r" 'rtt_127\.0\.0\.1'=[0-9.]+ms;;;0$", first), first  # a label with dots is quoted
     p = run([*args, "--remote-root", str(tmp_path / "nowhere")], check=False)
     first = plugin_status(p.stdout, p.returncode)
     assert p.returncode == 2 and "runtime OK; content CRITICAL (code on 127.0.0.1)" in first
-    p = run([*args, "--remote-root", str(ROOT), "--gate", "runtime"])
+    p = run([*args, "--remote-root", str(tree), "--gate", "runtime"])
     assert "content not checked (--gate runtime)" in plugin_status(p.stdout, p.returncode)
     with open(tmp_path / ".lock", "a+") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        p = run([*args, "--remote-root", str(ROOT)], check=False)
+        p = run([*args, "--remote-root", str(tree)], check=False)
     assert "another check-parity is running" in plugin_status(p.stdout, p.returncode)
 
 
@@ -483,6 +489,13 @@ def tree(tmp_path_factory):
     make_model(t / "models" / TAG)
     make_dataset(t / "datasets" / TAG)
     return t
+
+
+@pytest.fixture(autouse=True)
+def frozen_default(tree):
+    """Every check_parity() runs the frozen tree unless told otherwise: other work edits this checkout
+    while the tests run, which would show as a code difference between it and itself."""
+    TREE[:] = [tree]
 
 
 @pytest.fixture
