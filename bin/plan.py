@@ -88,8 +88,8 @@ SCHEMA = {
     "verification_steps": ["str", 3],
     "pre_rdma_sync": {"sync_script": "str", "command": "str", "validation_checks": ["str", 1], "block_on_failure": "bool",
                       "sync_status": M("=success|failed"), "sync_output": M("str")},
-    "hardware_calibration": {"measured_performance": M("map"), "workload_distribution": "map", "macos_qos_api": "str", "calibration_notes": M("str"),
-                             "calibration_file": M("str")},
+    "hardware_calibration": {"measured_performance": M("map"), "workload_distribution": "map", "macos_qos_api": "str",
+                             "calibration_notes": M("str"), "calibration_file": M("str")},
     "worker_consistency": {"validation_checks": ["str", 1], "script_hash": "str", "code_hash": "str",
                            "is_consistent": M("bool"), "consistency_threshold": "num>=0",
                            "divergent_workers": M(["str", 0]), "byzantine_detection": {"enabled": "false", "reason": "str"}},
@@ -111,9 +111,7 @@ def validate(obj, spec, path: str = "$") -> list[str]:
     if isinstance(spec, tuple):  # M(spec)
         if isinstance(obj, dict) and set(obj) == {"value", "unknown"} and obj["value"] is None:
             return [] if isinstance(obj["unknown"], str) and len(obj["unknown"]) >= 3 else [f"{path}: unknown without why"]
-        errs = validate(obj, spec[1], path)
-        return errs + ([f"{path}: an unknown needs exactly value null and a reason"] if isinstance(obj, dict)
-                       and "unknown" in obj else [])
+        return validate(obj, spec[1], path)
     if isinstance(spec, dict):
         if not isinstance(obj, dict):
             return [f"{path}: expected an object, got {json.dumps(obj)[:60]}"]
