@@ -118,10 +118,11 @@ def resolve_settings(args) -> dict:
     if not isinstance(s["roles"], dict) or not set(s["roles"].values()) <= {"system", "user", "assistant"}:
         bad.append("roles must map corpus roles to system|user|assistant, e.g. {human: user, gpt: assistant}")
     ratios = s["ratios"] if isinstance(s["ratios"], dict) and set(s["ratios"]) == set(SPLITS) else {}
-    r = {k: number(ratios.get(k), Fraction) for k in SPLITS}
+    r = {k: ratio(ratios.get(k)) for k in SPLITS}
     bad += [f"ratios.{k} must be > 0 (ratios are train, valid, test; each split gets records)"
             for k in SPLITS if r[k] is None or r[k] <= 0]
-    if (mrr := number(s["max_reject_ratio"], float)) is None or not 0 <= mrr <= 1:
+    mrr = s["max_reject_ratio"] if type(s["max_reject_ratio"]) in (int, float) else ratio(s["max_reject_ratio"])
+    if mrr is None or not 0 <= mrr <= 1:
         bad.append("max_reject_ratio must be a number within 0..1")
     if type(s["max_chars"]) is not int or s["max_chars"] <= 0:
         bad.append(f"max_chars must be a positive integer, not {s['max_chars']!r}")
@@ -129,13 +130,13 @@ def resolve_settings(args) -> dict:
         bad.append("text_system_prompt must be a string and text_user_prompt a non-empty string")
     if bad:
         raise fail(f"{where}: {'; '.join(bad)}", "export-bad-settings")
-    return {**s, "ratios": {k: r[k] / sum(r.values()) for k in SPLITS}, "max_reject_ratio": mrr}
+    return {**s, "ratios": {k: r[k] / sum(r.values()) for k in SPLITS}, "max_reject_ratio": float(mrr)}
 
 
-def number(v, kind):
-    """v as a number of `kind` (PyYAML reads 1e-3 as a string), or None."""
+def ratio(v) -> Fraction | None:
+    """A number from YAML or the command line (PyYAML reads 1e-3 as a string), exactly; or None."""
     try:
-        return None if isinstance(v, bool) else kind(str(v)) if kind is Fraction else kind(v)
+        return None if isinstance(v, bool) else Fraction(str(v))
     except (TypeError, ValueError, ZeroDivisionError):
         return None
 
@@ -407,20 +408,6 @@ def build_manifest(name: str, sources: list[dict], r: dict, s: dict) -> dict:
     }
 
 
-def report(r: dict, s: dict, sources: list[dict]) -> None:
-    c = r["counts"]
-    event("export_sources", files=len(sources), bytes=sum(x["bytes"] for x in sources), gzip=sum(x["gzip"] for x in sources))
-    event("export_counts", **c)
-    ok = [c["input"] == c["exported"] + c["rejected"] + c["duplicates"], c["exported"] == c["train"] + c["valid"] + c["test"]]
-    ok = ["ok" if x else "MISMATCH" for x in ok]
-    print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + duplicates "
-          f"{c['duplicates']} {ok[0]}; exported {c['exported']} = train {c['train']} + valid {c['valid']} + test "
-          f"{c['test']} {ok[1]}", flush=True)
-    event("export_split", rule="sha256(record_id)", ratios="/".join(f"{float(v):g}" for v in s["ratios"].values()))
-    print(f"export_rejects {' '.join(f'{k} {v}' for k, v in r['by_reason'].items() if v) or 'none'}", flush=True)
-    event("export_derived", **r["derived"])
-
-
 # ---- a dataset is bound to its corpus and settings ----------------------------------------------
 def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
     """Why this export runs, or None when `out` already is this corpus's export with these settings
@@ -478,7 +465,16 @@ def export(out: Path, args, sources: list[dict], s: dict) -> dict:
         if c["input"] == 0:
             raise fail(f"the corpus has no lines ({', '.join(x['path'] for x in sources)}): pass the right CORPUS",
                        "export-no-input")
-        report(r, s, sources)
+        event("export_sources", files=len(sources), bytes=sum(x["bytes"] for x in sources), gzip=sum(x["gzip"] for x in sources))
+        event("export_counts", **c)
+        ok = ["ok" if x else "MISMATCH" for x in (c["input"] == c["exported"] + c["rejected"] + c["duplicates"],
+                                                  c["exported"] == c["train"] + c["valid"] + c["test"])]
+        print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + duplicates "
+              f"{c['duplicates']} {ok[0]}; exported {c['exported']} = train {c['train']} + valid {c['valid']} + test "
+              f"{c['test']} {ok[1]}", flush=True)
+        event("export_split", rule="sha256(record_id)", ratios="/".join(f"{float(v):g}" for v in s["ratios"].values()))
+        print(f"export_rejects {' '.join(f'{k} {v}' for k, v in r['by_reason'].items() if v) or 'none'}", flush=True)
+        event("export_derived", **r["derived"])
         if c["rejected"] > limit:
             os.replace(tmp / "rejects.jsonl", failed)
             raise fail(f"{c['rejected']} of {c['input']} lines rejected, over the threshold {s['max_reject_ratio']:g} x "
