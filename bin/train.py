@@ -13,8 +13,8 @@ Example (two ranks on this machine; without mlx.launch it runs as one rank):
 
 mlx-lm's LoRA training (its loading, LoRA layers, datasets, loss, evaluate and compiled step:
 the train loss equals `mlx_lm lora`'s; batch_size is the global batch) plus exact resume
-(mlx-lm's numpy data order replayed in a RandomState saved in every checkpoint), atomic
-verified checkpoints (lib/checkpoint.py), per-rank logs, metrics and failure categories.
+(the mx RNG key and the window saved in every checkpoint; mlx-lm's numpy data order replayed
+from the seed), atomic verified checkpoints (lib/checkpoint.py), per-rank logs, metrics and failure categories.
 
 Files under --run-dir (the contract with lib/launch.py):
     logs/rank-R.joined.json   the group is up (rank, world_size, host, backend, pid, launch_id,
@@ -116,8 +116,8 @@ class Reporter:
             self.line("progress", rank=self.rank, phase=phase)
 
     def beat_while(self, phase: str, done: threading.Event) -> None:
-        """Beat every 5 s until `done`: only around one long local call with no collective in it."""
-        while not done.wait(5.0):
+        """Beat every 3 s until `done`: only around one long local call with no collective in it."""
+        while not done.wait(3.0):
             self.beat(phase, 0.0)
 
     def start_metrics(self, cfg: dict) -> None:
@@ -359,9 +359,8 @@ class DataOrder:
 
 # ---- model ---------------------------------------------------------------------------------------
 def load_model(cfg: dict, rep: Reporter):
-    """mlx-lm's load, with progress lines while it reads (or downloads) the weights."""
-    from mlx_lm.utils import load
-
+    """mlx-lm's load (its import alone takes seconds), with progress lines while it reads (or
+    downloads) the weights."""
     m = cfg["model"]
     if (m.startswith((".", "/", "~", "models/")) or Path(m).exists()) and not Path(m).expanduser().is_dir():
         raise failure(DATA, f"model folder {m} not found on {socket.gethostname()} (cwd {os.getcwd()}); run "
@@ -369,6 +368,8 @@ def load_model(cfg: dict, rep: Reporter):
     done = threading.Event()
     threading.Thread(target=rep.beat_while, args=("load-model", done), daemon=True).start()
     try:
+        from mlx_lm.utils import load
+
         return load(m, tokenizer_config={"trust_remote_code": cfg["trust_remote_code"]},
                     trust_remote_code=cfg["trust_remote_code"])
     except (FileNotFoundError, ValueError, OSError) as e:
@@ -534,6 +535,7 @@ def main() -> int:
     for name in ("failure", "joined"):
         marker(run_dir, rank, name).unlink(missing_ok=True)
     rep = Reporter(run_dir, rank)
+    rep.beat("start", 0.0)
     try:
         mx, group, backend = init_group()
         if group.rank() != rank:  # MLX_RANK was dropped for a lone host

@@ -1,4 +1,5 @@
-"""The orchestrator's pure parts: failure categories, the pkill pattern, reproduce.sh."""
+"""The orchestrator's pure parts: failure categories, the pkill pattern, reproduce.sh (with the
+dataset's export command, replayed through bin/export.py)."""
 
 from __future__ import annotations
 
@@ -103,3 +104,47 @@ def test_an_oom_death_without_failure_file_is_named_and_gets_the_ladder(tmp_path
     assert len(cmds) == 2 and all(c.startswith("mlx.launch --hostfile h.json -- bin/train.py") for c in cmds)
     assert "--batch-size 2" in cmds[0] and "--grad-accumulation-steps 4" in cmds[0] and "runs/x-oom1" in cmds[0]
     assert "--max-seq-length 1024" in cmds[1]
+
+
+def test_reproduce_starts_with_the_export_that_made_the_dataset(tmp_path, monkeypatch):
+    """reproduce.sh's first make line is the dataset's export (corpus, settings, sha256 from
+    its manifest); run with the same corpus it gives the same dataset_sha256."""
+    import json
+    import shlex
+    import sys
+
+    from conftest import ROOT
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join((ROOT / "datasets" / "sample" / "corpus.jsonl").read_text().splitlines(True)[:120]))
+    flags = ["--ratios", "80,10,10", "--max-chars", "4000", "--text-user-prompt", "Say it: 'quoted' & $HOME"]
+    subprocess.run([sys.executable, "bin/export.py", str(corpus), "--out", str(tmp_path / "orig"), *flags],
+                   cwd=ROOT, check=True, capture_output=True)
+    monkeypatch.setattr(launch.paths, "DATASETS", tmp_path)
+    (tmp_path / "run").mkdir()
+    launch.write_reproduce(tmp_path / "run", "train", ["make", "train", "DATASET=orig"], [], dataset="orig")
+    text = (tmp_path / "run" / "reproduce.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(tmp_path / "run" / "reproduce.sh")]).returncode == 0
+    makes = [ln for ln in text.splitlines() if ln.startswith("make ")]
+    assert makes[0].startswith("make export ") and makes[1] == "make train DATASET=orig"
+    man = json.loads((tmp_path / "orig" / "manifest.json").read_text())
+    assert man["corpus_sha256"] in text and man["dataset_sha256"] in text
+    words = dict(w.split("=", 1) for w in shlex.split(makes[0])[2:])
+    assert words["DATASET"] == "orig" and words["CORPUS"] == man["sources"][0]["path"]
+    # What make's recipe runs with those variables reproduces the dataset byte for byte.
+    subprocess.run([sys.executable, "bin/export.py", *words["CORPUS"].split(), "--out", str(tmp_path / "again"),
+                    *shlex.split(words["EXPORT_ARGS"])], cwd=ROOT, check=True, capture_output=True)
+    again = json.loads((tmp_path / "again" / "manifest.json").read_text())
+    assert again["dataset_sha256"] == man["dataset_sha256"] and again["settings"] == man["settings"]
+
+
+def test_reproduce_says_when_the_corpus_is_not_recorded(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr(launch.paths, "DATASETS", tmp_path)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps({"dataset_sha256": "ab" * 32}))
+    launch.write_reproduce(tmp_path, "smoke", ["make", "smoke"], [], dataset="old")
+    text = (tmp_path / "reproduce.sh").read_text()
+    assert "corpus not recorded" in text and text.index("stage: export") < text.index("stage: smoke")
+    assert [ln for ln in text.splitlines() if ln.startswith("make ")] == ["make smoke"]
