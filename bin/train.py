@@ -414,42 +414,41 @@ def adapter_config(r, path: Path) -> dict:
 
 
 def save_checkpoint(r, step: int, final: bool = False) -> None:
-    """Rank 0 writes checkpoints/step-N (weights, optimizer, state, adapter_config.json), prunes,
-    and replaces adapters/adapters.safetensors with the checkpoint's; every rank agrees."""
-    tic, mx = time.perf_counter(), r.mx
-    losses = r.coll.gather(r.win_loss.astype(mx.float32).reshape(1)).tolist()
-    tokens = r.coll.gather(r.win_tokens.astype(mx.int32).reshape(1)).tolist()
-    if r.coll.rank != 0:
-        return r.coll.run(None)
-    k = mx.random.state[0].tolist()
+    """Every rank hands rank 0 its report window; rank 0 writes the checkpoint; all agree."""
+    tic = time.perf_counter()
+    losses = r.coll.gather(r.win_loss.astype(r.mx.float32).reshape(1)).tolist()
+    tokens = r.coll.gather(r.win_tokens.astype(r.mx.int32).reshape(1)).tolist()
+    window = {"loss": losses, "tokens": tokens, "steps": r.win_steps}
     val_loss = r.last_val[1] if r.last_val and r.last_val[0] == step else None
-    state = {"config": r.cfg, "config_sha256": r.chash, "dataset_sha256": r.ds_sha, "files_sha256": r.files_sha,
-             "world_size": r.coll.size, "final": final, "iters": r.cfg["iters"], "launch_id": r.args.launch_id,
-             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "val_loss": val_loss,
-             "rng": {"mx_key": [int(k[0]), int(k[1])]},
-             "data": {"n_batches": len(r.plan), "epoch": r.order.epoch, "pos": r.order.pos}, "window": {"loss": losses, "tokens": tokens, "steps": r.win_steps},
-             "trained_tokens": r.trained_tokens, "initial_loss": r.initial_loss}
-    path = r.coll.run(write_checkpoint, r, step, state)
+    path, pruned = r.coll.run(write_checkpoint if r.coll.rank == 0 else None, r, step, final, window, val_loss) or (None, [])
     dt = time.perf_counter() - tic
     r.ckpt_time += dt
-    r.rep.line("checkpoint", step=step, path=path, seconds=dt, val_loss=json.dumps(val_loss),
-               pruned=",".join(r.pruned) or "-")
-    r.rep.event("checkpoint", step, path=str(path), seconds=round(dt, 4), final=final, loss=val_loss)
+    if r.coll.rank == 0:
+        r.rep.line("checkpoint", step=step, path=path, seconds=dt, val_loss=json.dumps(val_loss), pruned=",".join(pruned) or "-")
+        r.rep.event("checkpoint", step, path=str(path), seconds=round(dt, 4), final=final, loss=val_loss)
 
 
-def write_checkpoint(r, step: int, state: dict) -> Path:
+def write_checkpoint(r, step: int, final: bool, window: dict, val_loss: float | None) -> tuple[Path, list[str]]:
+    """Rank 0: checkpoints/step-N (weights, optimizer, state, adapter_config.json), pruning,
+    then adapters/adapters.safetensors replaced by the checkpoint's copy."""
     from mlx.utils import tree_flatten
 
-    mx, meta = r.mx, {"format": "mlx", "step": str(step)}
+    mx, meta, k = r.mx, {"format": "mlx", "step": str(step)}, r.mx.random.state[0].tolist()
     weights, opt = dict(tree_flatten(r.model.trainable_parameters())), dict(tree_flatten(r.optimizer.state))
     config = atomic.dumps_json(adapter_config(r, r.ckroot / ckpt.name_of(step)))
+    state = {"config": r.cfg, "config_sha256": r.chash, "dataset_sha256": r.ds_sha, "files_sha256": r.files_sha,
+             "world_size": r.coll.size, "final": final, "iters": r.cfg["iters"], "launch_id": r.args.launch_id,
+             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rng": {"mx_key": [int(k[0]), int(k[1])]},
+             "val_loss": val_loss, "window": window,
+             "data": {"n_batches": len(r.plan), "epoch": r.order.epoch, "pos": r.order.pos},
+             "trained_tokens": r.trained_tokens, "initial_loss": r.initial_loss}
     path = ckpt.save(r.ckroot, step, {
         "adapters.safetensors": lambda p: mx.save_safetensors(str(p), weights, metadata=meta),
         "optimizer.safetensors": lambda p: mx.save_safetensors(str(p), opt, metadata=meta),
         "adapter_config.json": lambda p: p.write_text(config, encoding="utf-8")}, state)
-    r.pruned = ckpt.prune(r.ckroot, r.cfg["keep_last_k"])
+    pruned = ckpt.prune(r.ckroot, r.cfg["keep_last_k"])
     atomic.write_bytes(r.adapters / "adapters.safetensors", (path / "adapters.safetensors").read_bytes())
-    return path
+    return path, pruned
 
 
 def pick_checkpoint(r) -> tuple[Path, dict] | None:
@@ -608,7 +607,7 @@ def start(r):
     r.win_loss = mx.array(win["loss"][coll.rank], dtype=mx.float32)
     r.win_tokens = mx.array(win["tokens"][coll.rank], dtype=mx.int32)
     r.start, r.win_steps, r.trained_tokens, r.initial_loss = st.get("step", 0), win["steps"], st.get("trained_tokens", 0), st.get("initial_loss")
-    r.last_val, r.train_time, r.ckpt_time, r.grad, r.pruned = None, 0.0, 0.0, None, []
+    r.last_val, r.train_time, r.ckpt_time, r.grad = None, 0.0, 0.0, None
     mx.eval(r.model.parameters(), r.optimizer.state)
     return r
 
