@@ -1,7 +1,7 @@
 """Content hashes: files, trees of files, and one digest over a {path: sha256} map.
 
-Used by sync, check_parity, compare, export, plan, provision, train, calibrate, make_tiny_model,
-lib.launch and lib.checkpoint."""
+Used by sync, compare, export, plan, provision, train, calibrate, model, make_tiny_model,
+lib.launch, lib.checkpoint and lib.dataset."""
 
 from __future__ import annotations
 
