@@ -486,11 +486,11 @@ def pick_checkpoint(r) -> tuple[Path, dict] | None:
     return chosen, st
 
 
-def read_fitting(path: Path | None, own: dict, name: str) -> dict | None:
+def read_fitting(mx, path: Path | None, own: dict, name: str) -> dict | None:
     """Rank 0: the checkpoint's tensors, refused unless names, shapes and dtypes fit this model."""
     if path is None:
         return None
-    have = __import__("mlx.core").core.load(str(path / f"{name}.safetensors"))
+    have = mx.load(str(path / f"{name}.safetensors"))
     if bad := sorted(set(have) ^ set(own)) or [k for k in own if (have[k].shape, have[k].dtype) != (own[k].shape, own[k].dtype)]:
         raise RunbookError(f"{path.name}/{name}.safetensors does not fit this model ({bad[:3]} ...)", "resume")
     return have
@@ -502,8 +502,8 @@ def resume(r, picked: tuple[Path, dict] | None) -> dict:
 
     st = json.loads(r.coll.bcast_bytes(json.dumps(picked[1]).encode() if picked else None))
     own_w, own_o = dict(tree_flatten(r.model.trainable_parameters())), dict(tree_flatten(r.optimizer.state))
-    w = r.coll.run(read_fitting, picked and picked[0], own_w, "adapters")
-    o = r.coll.run(read_fitting, picked and picked[0], own_o, "optimizer")
+    w = r.coll.run(read_fitting, r.mx, picked and picked[0], own_w, "adapters")
+    o = r.coll.run(read_fitting, r.mx, picked and picked[0], own_o, "optimizer")
     r.model.load_weights(list(r.coll.bcast_arrays(w, own_w).items()), strict=False)
     r.optimizer.state = tree_unflatten(list(r.coll.bcast_arrays(o, own_o).items()))
     k = st["rng"]["mx_key"]
