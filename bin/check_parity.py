@@ -388,10 +388,11 @@ def plugin_line(result: dict, args) -> str:
         mine = [c for c in rows if ("content" if c["name"] in CONTENT else "runtime") == part]
         bad = [f"{c['name']} on {c['host']}" for c in mine if c["status"] != "pass"]
         more = f", +{len(bad) - 4} more" if len(bad) > 4 else ""
-        if mine:
+        if bad or (mine and part in GATES[args.gate]):
             summary.append(f"{part} {STATUS[code_of(mine)]}" + (f" ({', '.join(bad[:4])}{more})" if bad else ""))
-        elif part not in GATES[args.gate]:
-            summary.append(f"{part} not checked (--gate {args.gate})")
+        else:  # a gate not asked for, or one that the hostfile or inputs stopped before it began
+            summary.append(f"{part} not checked (--gate {args.gate})" if part not in GATES[args.gate] else
+                           f"{part} not reached")
     if result["code"] == 3:
         summary = [rows[0]["detail"][:200]]
     n = Counter(c["status"] for c in rows)

@@ -127,6 +127,12 @@ def test_thunderbolt_jaccl_style_ip_on_a_port_passes():
     assert "en2 (Thunderbolt 1)" in detail
 
 
+def test_a_macos_tool_that_failed_reads_as_no_output():
+    status, detail = parity.thunderbolt_facts(["10.0.5.4"], dict(macos("mac4-ring"), networksetup={"error": "x"}))
+    assert status == "warn" and "bridge0 (unknown port), not Thunderbolt" in detail
+    assert parity.rdma_missing(["rdma_en2"], {"error": "FileNotFoundError: ibv_devices"}) == (["rdma_en2"], [])
+
+
 def test_ibv_devices_lists_and_missing():
     assert parity.parse_ibv_devices(macos("mac4-ring")["ibv_devices"]) == ["rdma_en2", "rdma_en3", "rdma_en4"]
     assert parity.rdma_missing(["rdma_en2", "rdma_en3"], macos("mac4-jaccl")["ibv_devices"])[0] == []
@@ -286,6 +292,9 @@ def test_text_output_starts_with_the_monitoring_plugin_line(tree, tmp_path):
     assert p.returncode == 2 and "runtime OK; content CRITICAL (code on 127.0.0.1)" in first
     p = run([*args, "--remote-root", str(tree), "--gate", "runtime"])
     assert "content not checked (--gate runtime)" in plugin_status(p.stdout, p.returncode)
+    p = run([*args, "--remote-root", str(tree), "--gate", "content"])
+    assert " - runtime not checked (--gate content); content OK |" in plugin_status(p.stdout, p.returncode)
+    assert (tmp_path / "last-content.json").is_file()  # one gate never overwrites the whole check's last.json
     with open(tmp_path / ".lock", "a+") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         p = run([*args, "--remote-root", str(tree)], check=False)
