@@ -25,6 +25,7 @@ Usage:
     train_loss = L.make_loss(chunk_tokens=256)             # default_loss's signature
     eval_loss = L.make_loss(chunk_tokens=256, grad=False)  # forward only (evaluate)
     L.supported(model)                                     # True for the models above
+    L.logits_bytes("chunked", 4 * 2048, 262144)            # the loss's own memory, for plan
 
 Example (the bench: 4 x 128 tokens at a 262,144-token vocabulary):
     .venv/bin/python bench/bench_loss.py
@@ -37,10 +38,22 @@ import mlx.nn as nn
 
 from lib.log import OTHER_FAILURES, RunbookError
 
-CHUNK_TOKENS = 256  # rows of hidden states per chunk: one chunk holds chunk x vocab float32 logits
+CHUNK_TOKENS = 64  # rows of hidden states per chunk (config key loss_chunk_tokens)
+# Measured with bench/bench_loss.py (CPU, float32): at its peak default_loss holds about 5
+# [tokens, vocab] float32 arrays; the chunked loss about 7 [chunk, vocab] ones (3 per chunk, and
+# MLX allocates a few ops ahead of the one running).
+DEFAULT_ARRAYS, CHUNKED_ARRAYS = 5, 7
 ANCHOR = OTHER_FAILURES["config"][1]
 MODULES = ("mlx_lm.models.gemma4_text", "mlx_lm.models.gemma4", "mlx_lm.models.llama")
 HEADS = (nn.Embedding, nn.QuantizedEmbedding, nn.Linear, nn.QuantizedLinear)
+
+
+def logits_bytes(loss: str, tokens: int, vocab: int, chunk_tokens: int = CHUNK_TOKENS) -> int:
+    """The loss's own peak memory beyond weights and activations, for `tokens` = per-rank batch x
+    sequence length and loss "default" (mlx-lm's) or "chunked" (for plan and calibrate)."""
+    if loss == "chunked":
+        return CHUNKED_ARRAYS * min(chunk_tokens, tokens) * vocab * 4
+    return DEFAULT_ARRAYS * tokens * vocab * 4
 
 
 def parts(model) -> tuple:
