@@ -1,19 +1,14 @@
-"""The one reader of an exported dataset's manifest.json (written by bin/export.py).
+"""The one reader of an exported dataset's manifest.json (written by bin/export.py; read by
+bin/export.py and bin/sync.py). A missing or malformed manifest raises RunbookError naming the fix.
 
-    from lib.dataset import binding, describe, read_manifest
-    m = read_manifest("datasets/domain_sft_v1_high_signal_thunder")
-    m["dataset_sha256"], m["counts"]["train"], m["files"]["train.jsonl"]["sha256"]
+    m = read_manifest("datasets/sample")  # m["dataset_sha256"], m["files"]["train.jsonl"]["sha256"]
     binding(m)   # {"files": [[path, sha256], ...], "settings": {...}}: what the dataset is bound to
     describe(m)  # "datasets/sample/corpus.jsonl (corpus_sha256 0b6f...) -> train 1883 / valid 105 / test 98 records"
-
-A missing, unreadable or malformed manifest raises RunbookError naming the file and the fix
-(export the dataset again with `make export`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -23,12 +18,10 @@ from lib.log import DATA, failure
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def read_manifest(dataset_dir: os.PathLike | str) -> dict:
-    """The manifest of the dataset in `dataset_dir`; its `files` table maps plain file names
-    to {sha256, bytes, records}."""
-    d = Path(dataset_dir)
-    path = d / "manifest.json"
-    fix = f"export it again: make export CORPUS=<files> DATASET={d.name} (REPLACE=1 replaces a dataset)"
+def read_manifest(dataset_dir: Path | str) -> dict:
+    """The manifest of the dataset in `dataset_dir`: `files` maps plain names to {sha256, bytes, records}."""
+    path = Path(dataset_dir) / "manifest.json"
+    fix = f"export it again: make export CORPUS=<files> DATASET={path.parent.name} (REPLACE=1 replaces a dataset)"
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -43,10 +36,8 @@ def read_manifest(dataset_dir: os.PathLike | str) -> dict:
     return m
 
 
-
 def binding(m: dict) -> dict:
-    """What a dataset is bound to (bin/export.py changes it only on --replace): each corpus file
-    (path, sha256) and the export settings that change its bytes (all but max_reject_ratio)."""
+    """What a dataset is bound to (changed only by export --replace): its corpus files and byte-changing settings."""
     return {"files": [[x.get("path"), x.get("sha256")] for x in m.get("sources") or []],
             "settings": {k: v for k, v in (m.get("settings") or {}).items() if k != "max_reject_ratio"}}
 
