@@ -189,6 +189,11 @@ SYNC_CMD     = $(PY) bin/sync.py --hostfile $(HOSTFILE) --remote-root $(REMOTE_R
 PARITY_ARGS  = --hostfile $(HOSTFILE) --python $(PYTHON) --remote-root $(REMOTE_ROOT) --model=$(MODEL) --dataset=$(DATASET) --min-disk-gb $(MIN_DISK_GB)
 PARITY_CMD   = $(PY) bin/check_parity.py $(PARITY_ARGS)
 
+# macOS: Mac1's orchestrating train/control runs under caffeinate -i (idle sleep would stop the
+# run); every rank keeps its own Mac awake (bin/train.py). Linux has none: the same recipe, bare.
+CAFFEINATE_BIN ?= /usr/bin/caffeinate
+CAFFEINATE   = $(if $(wildcard $(CAFFEINATE_BIN)),$(CAFFEINATE_BIN) -i )
+
 # check-parity exit 1 is WARNING (e.g. a slow link): reported, not blocking.
 PARITY_GATE  = $(PARITY_CMD) || [ $$? -eq 1 ]
 
@@ -209,7 +214,7 @@ train: $(STAMPS)/train.$(RUN)
 $(STAMPS)/train.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,train) | $(STAMPS)
 	$(SYNC_CMD)
 	$(PARITY_GATE)
-	$(PY) bin/run.py --stage train --config $(CONFIG) $(LAUNCH_ARGS)$(if $(RESUME), --resume)
+	$(CAFFEINATE)$(PY) bin/run.py --stage train --config $(CONFIG) $(LAUNCH_ARGS)$(if $(RESUME), --resume)
 	touch $@
 
 ## control: the single-host control (CONTROL_HOST, default rank 0's) on the same data, seed and global batch
@@ -219,7 +224,7 @@ control: $(STAMPS)/control.$(RUN)
 $(STAMPS)/control.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,control) | $(STAMPS)
 	$(SYNC_CMD)
 	$(PARITY_GATE)
-	$(PY) bin/run.py --stage control --config $(CONFIG) $(LAUNCH_ARGS)$(if $(CONTROL_HOST), --control-host $(CONTROL_HOST))
+	$(CAFFEINATE)$(PY) bin/run.py --stage control --config $(CONFIG) $(LAUNCH_ARGS)$(if $(CONTROL_HOST), --control-host $(CONTROL_HOST))
 	touch $@
 
 ## compare: dual vs control vs base on the test split (TOLERANCE=0.02 MIN_SPEEDUP=1 MIN_GAIN=0 TEST_BATCHES=-1); writes runs/$(RUN)/compare/

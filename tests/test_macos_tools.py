@@ -80,3 +80,16 @@ def test_make_n_is_the_same_under_both_makes(make_bin, target):
     out = make("-n", target, *args, make_bin=make_bin).stdout
     assert out == make("-n", target, *args, make_bin="make").stdout
     assert "bin/" in out, out
+
+
+@pytest.mark.parametrize("target", ["train", "control"])
+def test_mac1_orchestrator_runs_under_caffeinate_where_it_exists(target, tmp_path):
+    """On macOS /usr/bin/caffeinate -i keeps Mac1 from idle sleep for the whole run (issue #20);
+    where it does not exist (Linux) the same recipe runs bare. CAFFEINATE_BIN stands in for it."""
+    args = ["-n", target, *STAGE_VARS, "-o", ".stamps/smoke.mk"]
+    fake = tmp_path / "caffeinate"
+    fake.write_text("#!/bin/sh\nexec \"$@\"\n")
+    out = make(*args, f"CAFFEINATE_BIN={fake}").stdout
+    assert f"{fake} -i .venv/bin/python bin/run.py --stage {target}" in out, out
+    out = make(*args, f"CAFFEINATE_BIN={tmp_path}/absent").stdout
+    assert "\n.venv/bin/python bin/run.py --stage" in "\n" + out and "caffeinate" not in out, out

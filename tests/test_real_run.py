@@ -16,7 +16,10 @@ import re
 import shutil
 
 import pytest
-from conftest import PY, ROOT, make, require_fabric
+from conftest import PY, ROOT, make, require_fabric, run
+from test_model import hub_cache
+
+HUB_REPO = "thunder-test/realrun-gemma4"
 
 pytestmark = [pytest.mark.fabric, pytest.mark.slow]
 
@@ -33,7 +36,7 @@ def runbook_block() -> list[str]:
 
 def test_runbook_block_is_the_plans_order():
     targets = [ln.split()[1] for ln in runbook_block()]
-    order = ["setup", "provision", "export", "sync", "check-parity", "smoke", "train", "control", "compare"]
+    order = ["setup", "model", "provision", "export", "sync", "check-parity", "smoke", "train", "control", "compare"]
     assert targets == order, targets
 
 
@@ -67,12 +70,21 @@ def fresh_fabric():
 def test_the_real_run_as_written_on_fresh_hosts(fresh_fabric, tmp_path):
     fab = fresh_fabric
     name = f"realrun-{os.getpid()}"
+    model = f"models/{name}-released-q4"
     for h in fab.hosts:  # fresh: nothing under REMOTE_ROOT
         assert not any(fab.backing_dir(h).iterdir()), f"{h} is not fresh"
+    # The model comes the way the real one does: `make model` from a Hugging Face cache (built here,
+    # offline) holding Gemma 4's released layout, quantized to 4 bits by mlx-lm's convert.
+    model_src = tmp_path / "released"
+    run([PY, "bin/make_tiny_model.py", "--arch", "gemma4", "--layout", "released", "--out", str(model_src)])
+    hub_cache(tmp_path / "hf" / "hub", HUB_REPO, model_src, "3" * 40, ("main",))
     settings = tmp_path / "settings.mk"
     settings.write_text("\n".join([
         f"HOSTFILE    = {fab.hostfile(2)}",
-        "MODEL       = models/tiny-gemma4",
+        f"HF_REPO     = {HUB_REPO}",
+        "REVISION    = main",
+        "QUANTIZE    = 4",
+        f"MODEL       = {model}",
         "CORPUS      = datasets/sample/corpus.jsonl",
         f"DATASET     = {name}",
         f"REMOTE_ROOT = {fab.remote_root}",
@@ -82,7 +94,8 @@ def test_the_real_run_as_written_on_fresh_hosts(fresh_fabric, tmp_path):
         "MIN_SPEEDUP = 0",  # the fabric's hosts share this machine's cores
         "",
     ]))
-    env = fab.env()
+    env = dict(fab.env(), HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hf" / "hub"),
+               HF_HUB_OFFLINE="1")
     try:
         for line in runbook_block():
             args = line.split()[1:] + [f"SETTINGS={settings}"]
@@ -96,6 +109,8 @@ def test_the_real_run_as_written_on_fresh_hosts(fresh_fabric, tmp_path):
         assert report.is_file()
         summary = json.loads((ROOT / "runs" / name / "train.json").read_text())
         assert summary["ok"] and summary.get("world_size", 2) == 2
+        config = json.loads((ROOT / model / "config.json").read_text())
+        assert config["model_type"] == "gemma4" and config["quantization"]["bits"] == 4  # what trained
 
         # Nothing left to do: every stage's stamp stands, and make -n says so.
         for target in ("smoke", "train", "control"):
@@ -108,6 +123,7 @@ def test_the_real_run_as_written_on_fresh_hosts(fresh_fabric, tmp_path):
         shutil.rmtree(ROOT / "runs" / name, ignore_errors=True)
         shutil.rmtree(ROOT / "runs" / f"{name}-control", ignore_errors=True)
         shutil.rmtree(ROOT / "datasets" / name, ignore_errors=True)
+        shutil.rmtree(ROOT / model, ignore_errors=True)
         for st in (ROOT / ".stamps").glob(f"*{name}*"):
             st.unlink()
 
