@@ -13,9 +13,9 @@ Per host, in parallel, over one ssh connection: a probe (refuses a REMOTE_ROOT t
 $HOME, creates REMOTE_ROOT, hashes the host's copy with openssl, sha256sum or shasum); rsync of what
 differs (the dataset into datasets/.NAME.incoming, unchanged files hard-linked); a hash of all that
 was sent; the staging dataset renamed into place only if all of it matches the local manifest (a
-killed sync or bad copy leaves the old one live). A no-op re-sync is the probe alone. Works with
-rsync 3.x, macOS's 2.6.9 and openrsync at either end. On the embedded default (127.0.0.1, REMOTE_ROOT
-= this repo) it only verifies. Writes runs/<RUN>/sync.json. Exit: 0 ok, 1 a host failed, 2 refused.
+killed sync or bad copy leaves the old one live). A no-op re-sync is the probe alone. rsync 3.x,
+macOS's 2.6.9 and openrsync work at either end. Writes runs/<RUN>/sync.json. Exit: 0 ok, 1 a host
+failed, 2 refused.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def sync_host(host: str, args, plan: dict) -> dict:
     root, name, mrel = plan["root"], args.dataset, plan["model_rel"]
     local, t0 = is_local(host), time.monotonic()
     rec: dict = {"host": host, "transferred_bytes": 0, "changes": [], "actions": [], "verified": False}
-    if local and Path(root) == paths.ROOT:  # the embedded default: nothing to copy; verify it
+    if local and Path(root) == paths.ROOT:  # the embedded default (127.0.0.1, this repo): only verify
         bad = sorted(f for f, h in plan["expected"].items() if sha256_file(paths.ROOT / f) != h)
         return dict(rec, actions=["none: destination is the source"], verified=not bad, mismatches=bad,
                     wall_s=round(time.monotonic() - t0, 3))
@@ -238,24 +238,24 @@ def sync_host(host: str, args, plan: dict) -> dict:
     mkdir = os.path.dirname(mrel) if mrel and os.path.dirname(mrel) else "datasets"
     before = probe(host, local, root, ["ro" if args.dry_run else "rw", mkdir, f"datasets/{name}",
                                        *plan["code"], *plan["expected"], "--exists", *plan["model_files"]])
-    diff = {"code": [f for f, h in plan["code"].items() if before["hash"].get(f) != h],
-            "dataset": [f for f, h in plan["expected"].items() if before["hash"].get(f) != h],
-            "extra": sorted(before["live"] - {f.rsplit("/", 1)[1] for f in plan["expected"]}),
-            "model_missing": [f for f in plan["model_files"] if f not in before["exists"]]}
+    rec["before"] = diff = {"code": [f for f, h in plan["code"].items() if before["hash"].get(f) != h],
+                            "dataset": [f for f, h in plan["expected"].items() if before["hash"].get(f) != h],
+                            "extra": sorted(before["live"] - {f.rsplit("/", 1)[1] for f in plan["expected"]}),
+                            "model_missing": [f for f in plan["model_files"] if f not in before["exists"]]}
     diff["model"] = bool(mrel) and (args.sync_model or bool(diff["model_missing"]))
-    rec["before"] = diff
     if len(diff["extra"]) > args.max_delete:
         raise RunbookError(f"{host}: datasets/{name} holds {len(diff['extra'])} files that are not in its manifest "
                            f"({', '.join(diff['extra'][:5])}, ...): more than --max-delete {args.max_delete} to "
                            "delete; check DATASET, move them away, or raise --max-delete", "sync-refused")
 
-    # 2. transfer what differs: code, dataset, model
-    for kind, rsync_args in transfers(host, args, plan, before, diff):
-        sent, changes = rsync(host, args, rsync_args)
-        total = rec["transferred_bytes"]
-        rec["transferred_bytes"] = None if sent is None or total is None else total + sent
-        rec["changes"] += [f"{kind} {c}" for c in changes]
-        rec["actions"].append(kind)
+    # 2. transfer what differs: code, dataset and model at once
+    jobs = transfers(host, args, plan, before, diff)
+    with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
+        for kind, sent, changes in pool.map(lambda j: (j[0], *rsync(host, args, j[1])), jobs):
+            total = rec["transferred_bytes"]
+            rec["transferred_bytes"] = None if sent is None or total is None else total + sent
+            rec["changes"] += [f"{kind} {c}" for c in changes]
+            rec["actions"].append(kind)
     if args.dry_run:
         rec["changes"] += [f"dataset *deleting {f}" for f in diff["extra"]]
         return dict(rec, verified=None, wall_s=round(time.monotonic() - t0, 3))
