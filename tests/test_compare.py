@@ -24,7 +24,7 @@ from conftest import PY, ROOT, make, run
 
 from lib import atomic, launch
 from lib.hashing import digest_of, tree_hashes
-from lib.log import CATEGORIES
+from lib.log import CATEGORIES, anchor_of
 
 spec = importlib.util.spec_from_file_location("compare", ROOT / "bin" / "compare.py")
 compare = importlib.util.module_from_spec(spec)
@@ -83,7 +83,7 @@ def check(obj, schema, where="report") -> list[str]:
     return []
 
 
-VERDICTS = OneOf(compare.PASS, compare.THUNDER, compare.NOT_COMPARABLE, compare.DUAL_FAILED, *CATEGORIES)
+VERDICTS = OneOf(compare.PASS, compare.THUNDER, compare.NOT_COMPARABLE, compare.DUAL_FAILED, compare.WORSE, *CATEGORIES)
 GIT = {"commit": str, "dirty": bool}
 EVAL_MODEL = {"evaluated": bool, "loss": NUM_OR_NONE, "ppl": NUM_OR_NONE, "adapter": STR_OR_NONE}
 RUN_SCHEMA = {
@@ -99,11 +99,11 @@ RUN_SCHEMA = {
 }
 REPORT_SCHEMA = {
     "format": OneOf("thunder-runbook/compare-report"), "format_version": OneOf(1), "created": str,
-    "run": str, "control_run": str, "verdict": VERDICTS, "ok": bool, "category": Nullable(OneOf(*CATEGORIES)),
+    "run": str, "control_run": str, "verdict": VERDICTS, "ok": bool, "category": Nullable(OneOf(*CATEGORIES, compare.WORSE)),
     "anchor": STR_OR_NONE, "reasons": [str], "exit_code": OneOf(0, 1, 2), "tolerance": NUM,
-    "min_speedup": NUM,
+    "min_speedup": NUM, "min_gain": NUM,
     "loss": {"dual": NUM_OR_NONE, "control": NUM_OR_NONE, "base": NUM_OR_NONE, "relative_diff": NUM_OR_NONE,
-             "within_tolerance": Nullable(bool)},
+             "within_tolerance": Nullable(bool), "base_gain": NUM_OR_NONE, "beats_base": Nullable(bool)},
     "throughput": {"dual_tok_per_s": NUM_OR_NONE, "control_tok_per_s": NUM_OR_NONE, "speedup": NUM_OR_NONE,
                    "world_size_ratio": NUM, "scaling_efficiency": NUM_OR_NONE, "faster": Nullable(bool)},
     "comparable": {"ok": bool, "checks": [{"name": str, "dual": ANY, "control": ANY, "ok": bool}],
@@ -117,8 +117,7 @@ REPORT_SCHEMA = {
         "batches": int, "tokens": int, "same_batches": bool, "load_s": NUM, "peak_mem_gb": NUM,
         "models": {"base": EVAL_MODEL, "control": EVAL_MODEL, "dual": EVAL_MODEL}}),
     "runs": {"dual": RUN_SCHEMA, "control": RUN_SCHEMA},
-    "calibration": Nullable({"file": str, "expected_speedup": NUM_OR_NONE, "link_bound": Nullable(bool),
-                             "note": str}),
+    "export": {"command": STR_OR_NONE, "corpus": [dict], "corpus_sha256": STR_OR_NONE, "settings": dict},
     "reproduce_compare": str,
     "artifacts": {"report_md": str, "report_json": str, "loss_curves_png": str},
     "wall_s": NUM,
@@ -141,7 +140,7 @@ def assert_valid_report(rep: dict) -> None:
     # What the fields must agree on, beyond their types.
     assert rep["ok"] == (rep["verdict"] == compare.PASS) == (rep["exit_code"] == 0)
     if rep["category"]:
-        assert rep["anchor"] == CATEGORIES[rep["category"]]
+        assert rep["anchor"] == anchor_of(rep["category"])
     if rep["anchor"]:
         assert rep["anchor"] in runbook_anchors(), f"RUNBOOK.md has no heading for #{rep['anchor']}"
     assert rep["reasons"], "every verdict says why"
@@ -223,6 +222,28 @@ def test_verdict_dual_failed_is_its_own_category():
     assert v["verdict"] == STABILITY and v["exit_code"] == 1
 
 
+def test_verdict_worse_than_base_is_never_promoted():
+    """#18: a dual adapter no better than the base model fails, even when the control is just as bad."""
+    fast = facts(tok_per_s=1800, world_size=2)
+    v = compare.decide(fast, facts(), {"base": 8.0, "control": 8.4, "dual": 8.4}, [], 0.02)
+    assert (v["verdict"], v["ok"], v["exit_code"], v["category"], v["anchor"]) == (
+        compare.WORSE, False, 1, compare.WORSE, "compare-worse-than-base")
+    assert v["beats_base"] is False and v["base_gain"] == pytest.approx(-0.05) and "8.4000" in v["reasons"][0]
+    # Equal to the base is no gain; MIN_GAIN 5% needs more than the 4% this adapter gives, 3% does not.
+    assert compare.decide(fast, facts(), {"base": 8.0, "control": 8.0, "dual": 8.0}, [], 0.02)["verdict"] == compare.WORSE
+    assert compare.decide(fast, facts(), {"base": 8.0, "control": 7.68, "dual": 7.68}, [], 0.02, 1.0, 0.05)[
+        "verdict"] == compare.WORSE
+    v = compare.decide(fast, facts(), {"base": 8.0, "control": 7.68, "dual": 7.68}, [], 0.02, 1.0, 0.03)
+    assert v["ok"] and v["beats_base"] and v["base_gain"] == pytest.approx(0.04)
+    # It is about the dual adapter alone: a slower run or a failed control does not hide it.
+    v = compare.decide(facts(tok_per_s=500, world_size=2), facts(ok=False, category=HANG, why="x"),
+                       {"base": 8.0, "control": 9.0, "dual": 9.0}, [], 0.02)
+    assert v["verdict"] == compare.WORSE and v["exit_code"] == 1
+    # A base loss that is not finite cannot be judged against: not comparable.
+    v = compare.decide(fast, facts(), {"base": float("nan"), "control": 2.0, "dual": 2.0}, [], 0.02)
+    assert v["verdict"] == compare.NOT_COMPARABLE and "base model" in v["reasons"][0]
+
+
 def test_verdict_not_comparable():
     v = compare.decide(facts(tok_per_s=1800, world_size=2), facts(), {},
                        ["dataset_sha256 differs: dual 'aaa', control 'bbb': re-run the control"], 0.02)
@@ -284,40 +305,8 @@ def test_throughput_leaves_out_each_launch_compile_step():
     mets += [{"kind": "step", "step": s, "tokens": 100, "step_s": 0.1, "wall_s": 5 + s * 0.1} for s in range(7, 9)]
     tp = compare.throughput(mets)
     assert tp["tok_per_s"] == pytest.approx(1000.0) and "2 launch" in tp["method"]
-    trains = [{"kind": "train", "step": 5, "tokens": 500, "train_s": 2.0, "tok_per_s": 250.0},
-              {"kind": "train", "step": 10, "tokens": 500, "train_s": 0.5, "tok_per_s": 1000.0}]
-    assert compare.throughput(trains)["tok_per_s"] == pytest.approx(400.0)
-    assert compare.throughput([{"kind": "train", "tok_per_s": 300.0}])["tok_per_s"] == 300.0
-    assert compare.throughput([])["tok_per_s"] is None
-
-
-def test_calibration_says_whether_the_speedup_is_link_bound(tmp_path):
-    assert compare.calibration_note(1.5, 2.0, tmp_path) is None
-    atomic.write_json(tmp_path / "calibration-20260101T000000.json", {"expected_speedup": 3.0})
-    atomic.write_json(tmp_path / "calibration-20260102T000000.json", {"expected_speedup": 1.4})  # the newest
-    note = compare.calibration_note(1.35, 2.0, tmp_path)
-    assert note["link_bound"] is True and note["file"].endswith("calibration-20260102T000000.json")
-    assert compare.calibration_note(0.9, 2.0, tmp_path)["link_bound"] is False  # below what the link allows
-    atomic.write_json(tmp_path / "calibration-20260103T000000.json", {"expected_speedup": 1.95})
-    assert compare.calibration_note(1.9, 2.0, tmp_path)["link_bound"] is False  # near ideal: not the link
-    atomic.write_json(tmp_path / "calibration-20260104T000000.json", {"links": []})
-    note = compare.calibration_note(1.9, 2.0, tmp_path)
-    assert note["link_bound"] is None and "no expected_speedup" in note["note"]
-
-
-def test_calibration_of_other_hosts_is_ignored_and_its_own_verdict_wins(tmp_path):
-    hf = {"hosts": [{"ssh": "mac4"}, {"ssh": "mac5"}]}
-    atomic.write_json(tmp_path / "calibration-20260101T000000.json",
-                      {"expected_speedup": 1.4, "link_bound": True, "hostfile": hf})
-    atomic.write_json(tmp_path / "calibration-20260102T000000.json",  # newer, but other hosts
-                      {"expected_speedup": 1.9, "link_bound": False, "hostfile": {"hosts": [{"ssh": "fab1"}]}})
-    note = compare.calibration_note(1.35, 2.0, tmp_path, hosts=["mac4", "mac5"])
-    assert note["file"].endswith("calibration-20260101T000000.json") and note["link_bound"] is True
-    assert compare.calibration_note(1.35, 2.0, tmp_path, hosts=["other"]) is None
-    # Shared cores, not the link, hold the expectation down: the calibration says so.
-    atomic.write_json(tmp_path / "calibration-20260103T000000.json",
-                      {"expected_speedup": 0.86, "link_bound": False, "hostfile": hf})
-    assert compare.calibration_note(0.85, 2.0, tmp_path, hosts=["mac4", "mac5"])["link_bound"] is False
+    # Only the compile step of a run: no steady state to measure.
+    assert compare.throughput(mets[:1])["tok_per_s"] is None and compare.throughput([])["tok_per_s"] is None
 
 
 # ---- run folders around real adapters ----------------------------------------------------------------
@@ -358,12 +347,12 @@ def world(tmp_path_factory):
             p.unlink(missing_ok=True)
 
 
-def train_adapter(world, out: Path, iters: int, seed: int = 0) -> subprocess.Popen:
+def train_adapter(world, out: Path, iters: int, seed: int = 0, lr: str = "2e-3") -> subprocess.Popen:
     """Raw `mlx_lm lora` into out/, with a test evaluation at the end (its `Test loss` line)."""
     return subprocess.Popen(
         [PY, "-m", "mlx_lm", "lora", "--model", world["model"], "--train", "--test", "--data",
          f"datasets/{world['dataset']}", "--iters", str(iters), "--num-layers", "2", "--batch-size", "4",
-         "--learning-rate", "2e-3", "--steps-per-eval", "1000", "--val-batches", "1", "--seed", str(seed),
+         "--learning-rate", lr, "--steps-per-eval", "1000", "--val-batches", "1", "--seed", str(seed),
          "--adapter-path", str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -566,15 +555,78 @@ def test_end_to_end_pass_then_thunder_path(world, trained):
     assert not list((ROOT / "runs" / run_id).glob(".compare*")), "no temporary folder left behind"
 
 
+def garbage_dataset(world) -> dict:
+    """The world's test split, but every message of train/valid random letters: learning them harms the model."""
+    import random
+
+    rng, tag = random.Random(0), f"{world['tag']}-garbage"
+    ds = ROOT / "datasets" / tag
+    world["made"].append(ds)
+    ds.mkdir(parents=True, exist_ok=True)
+    for name in ("train", "valid"):
+        recs = [json.loads(x) for x in (ROOT / "datasets" / world["dataset"] / f"{name}.jsonl").read_text().splitlines()]
+        for r in recs:
+            for m in r["messages"]:
+                m["content"] = "".join(rng.choice("qxzjkvw#%") for _ in range(200))
+        (ds / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    shutil.copy(ROOT / "datasets" / world["dataset"] / "test.jsonl", ds / "test.jsonl")
+    sha = digest_of(tree_hashes(ds, ["train.jsonl", "valid.jsonl", "test.jsonl"]))
+    atomic.write_json(ds / "manifest.json", {"dataset_sha256": sha})
+    return {**world, "dataset": tag, "dataset_sha256": sha}
+
+
+def harmful_adapter(world, trained, recipe: str, out: Path) -> dict:
+    """An adapter that makes the model worse on the test split, trained for real or turned around."""
+    if recipe == "garbage-targets":
+        w = garbage_dataset(world)
+        p = subprocess.run([PY, "-m", "mlx_lm", "lora", "--model", w["model"], "--train", "--data", f"datasets/{w['dataset']}",
+                            "--iters", "20", "--num-layers", "-1", "--batch-size", "4", "--learning-rate", "1e-2",
+                            "--steps-per-eval", "1000", "--val-batches", "1", "--seed", "0", "--adapter-path", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        return w
+    # The control's update turned around: a real adapter that undoes what training learned.
+    import mlx.core as mx
+
+    shutil.copytree(ROOT / "runs" / f"{trained['run']}-control" / "adapters", out)
+    weights = mx.load(str(out / "adapters.safetensors"))
+    mx.save_safetensors(str(out / "adapters.safetensors"),
+                        {k: -v if k.endswith("lora_b") else v for k, v in weights.items()})
+    return world
+
+
+@pytest.mark.parametrize("recipe", ["garbage-targets", "reversed-update"])
+def test_adapter_worse_than_base_is_not_promoted_even_when_the_control_is_as_bad(world, trained, recipe):
+    """#18: dual and control carry the same harmful adapter: equal losses (within tolerance) and the dual
+    run faster, which used to pass. Their test loss is above the base model's: `worse than the base model`."""
+    run_id = f"{world['tag']}-{recipe}"
+    world["made"] += [ROOT / "runs" / run_id, ROOT / "runs" / f"{run_id}-control"]
+    w = harmful_adapter(world, trained, recipe, ROOT / "runs" / run_id / "adapters")
+    shutil.copytree(ROOT / "runs" / run_id / "adapters", ROOT / "runs" / f"{run_id}-control" / "adapters")
+    write_run(w, run_id, "dual", iters=8, step_s=0.06, test_loss=None)
+    write_run(w, f"{run_id}-control", "control", iters=8, step_s=0.1, test_loss=None)
+    p = run([PY, "bin/compare.py", "--run", run_id], check=False)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "FAILED category: worse than the base model" in p.stderr
+    assert "see RUNBOOK.md#compare-worse-than-base" in p.stderr
+    rep = read_report(run_id)
+    assert_valid_report(rep)
+    lo = rep["loss"]
+    assert rep["verdict"] == compare.WORSE and lo["beats_base"] is False and lo["dual"] > lo["base"], lo
+    assert lo["dual"] == lo["control"] and rep["throughput"]["speedup"] > 1  # everything else would pass
+    # Base, control and dual side by side in the report, over the same batches.
+    assert rep["evaluation"]["same_batches"] and rep["evaluation"]["models"]["base"]["tokens"] > 0
+    md = (ROOT / "runs" / run_id / "compare" / "report.md").read_text()
+    for name in ("base", "control", "dual"):
+        assert re.search(rf"^\| {name} \| {lo[name]:.4f} \|", md, re.M), name
+
+
 def test_make_compare_recipe():
     old = ["-o", ".stamps/train.x", "-o", ".stamps/control.x"]
-    p = make("-n", "compare", "RUN=x", "TOLERANCE=0.05", "MIN_SPEEDUP=0", "TEST_BATCHES=3", *old)
-    assert "bin/compare.py --run x --tolerance 0.05 --min-speedup 0 --test-batches 3" in p.stdout
+    p = make("-n", "compare", "RUN=x", "TOLERANCE=0.05", "MIN_SPEEDUP=0", "MIN_GAIN=0.01", "TEST_BATCHES=3", *old)
+    assert "bin/compare.py --run x --tolerance 0.05 --min-speedup 0 --min-gain 0.01 --test-batches 3" in p.stdout
     p = make("-n", "compare", "RUN=x", *old)
     assert re.search(r"bin/compare\.py --run x$", p.stdout, re.M), p.stdout
-    # The stamp only after a passing compare: removed first, touched last.
-    lines = p.stdout.strip().splitlines()
-    assert lines[0] == "rm -f .stamps/compare.x" and lines[-1] == "touch .stamps/compare.x"
 
 
 if __name__ == "__main__":
