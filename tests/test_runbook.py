@@ -83,3 +83,54 @@ def test_every_export_reject_reason_has_its_heading():
     assert reasons, "no reject reason found in bin/export.py"
     missing = sorted(r for r in reasons if f"reject-{r}" not in have)
     assert not missing, f"RUNBOOK.md lacks '### reject: <reason>' for {missing}"
+
+
+def helper_anchors() -> dict[str, str]:
+    """Anchors code_anchors() cannot see: the last argument of export's fail() and hostfile's
+    need() (each wraps RunbookError), and ANCHOR constants assigned in a tuple
+    (`ANCHOR, FORMAT = "calibrate", ...`)."""
+    found = {}
+    for path in sorted([*ROOT.glob("bin/*.py"), *ROOT.glob("lib/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("fail", "need") and node.args:
+                last = node.args[-1]
+                if (isinstance(last, ast.Constant) and isinstance(last.value, str)
+                        and re.fullmatch(r"[a-z0-9][a-z0-9_-]*", last.value)):
+                    found.setdefault(last.value, f"{path.name}:{node.lineno}")
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+                for t in node.targets:
+                    for name, value in zip(getattr(t, "elts", []), node.value.elts):
+                        if "ANCHOR" in getattr(name, "id", "") and isinstance(value, ast.Constant):
+                            found.setdefault(value.value, f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_anchors_behind_helpers_exist():
+    found = helper_anchors()
+    assert {"paths", "export-no-input", "calibrate", "plan"} <= set(found), sorted(found)
+    have = runbook_anchors()
+    missing = {a: where for a, where in found.items() if a not in have}
+    assert not missing, f"RUNBOOK.md lacks headings for {missing}"
+
+
+def test_runbook_is_short_and_in_the_cards_order():
+    """Issue #15: at most 25 KB, and the operator's order: the real run, the failure table, one
+    fix section per anchor, the stage reference."""
+    text = (ROOT / "RUNBOOK.md").read_text()
+    size = len(text.encode())
+    assert size <= 25_600, f"RUNBOOK.md is {size} bytes, over 25,600 (du -b RUNBOOK.md)"
+    sections = re.findall(r"^## (.+)$", text, re.M)
+    assert sections == ["The real run", "Failure table", "Fixes by anchor", "Stage reference"], sections
+
+
+def test_failure_table_has_its_columns_and_rows():
+    """One table: symptom | stage | cause | check | fix | verify, with a row (a link to the fix)
+    for each of DESIGN.md's categories and the failures the issues named."""
+    section = (ROOT / "RUNBOOK.md").read_text().split("\n## Failure table\n", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("|")]
+    assert rows and rows[0].lower().replace(" ", "").startswith(
+        "|symptom(asprinted)|stage|cause|check|fix|verify|"), rows[:1]
+    links = set(re.findall(r"\]\(#([a-z0-9_-]+)\)", section))
+    want = {*CATEGORIES.values(), "parity-tcc", "parity-fast-synch", "export-dataset-bound", "settings",
+            "out-of-memory"}
+    assert want <= links, f"the failure table has no row for {sorted(want - links)}"
