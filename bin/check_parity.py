@@ -1,24 +1,15 @@
 #!/usr/bin/env python3
 """check-parity: preflight every host of the hostfile, in the plan's order; each failure names its fix.
 
-Usage:
-    python bin/check_parity.py --hostfile HOSTFILE --python PYTHON --remote-root DIR [--gate runtime|content|all]
-        [--model PATH|HF_ID] [--dataset NAME] [--json] [--deep] [--timeout S] [--min-disk-gb N] [--state-dir DIR]
-
-Example (what `make check-parity` runs; `make provision` adds --gate runtime):
+Usage: python bin/check_parity.py --hostfile HF --python PY --remote-root DIR [--gate runtime|content|all]
+           [--model PATH|HF_ID] [--dataset NAME] [--json] [--deep] [--timeout S] [--min-disk-gb N] [--state-dir D]
+Example (`make check-parity`; `make provision` adds --gate runtime):
     python bin/check_parity.py --hostfile hostfile.json --python /Users/op/thunder-runbook/.venv/bin/python \
         --remote-root /Users/op/thunder-runbook --model models/tiny-gemma4 --dataset domain_sft_v1_high_signal_thunder
-
-Gate runtime (passes on freshly provisioned hosts): the hostfile and inputs, refused before any subprocess;
-ssh (unattended, self-ssh too); runtime.python (one real path and version), .packages (the lock's versions),
-.mlx (imports and computes), .env (MLX_METAL_FAST_SYNCH unset); resources.disk, .memory, .remote_root (macOS
-privacy protection), .thunderbolt and .rdma (macOS); link.ips, link.rtt. Gate content (after sync, before every
-launch): code, model (size+mtime; sha256 with --deep) and dataset bytes under REMOTE_ROOT equal this checkout's.
---gate all (the default) runs both. One ssh round trip per host (lib/parity_probe.py), hosts in parallel,
-bounded by --timeout; never prompts; never overlaps itself (flock on <state-dir>/.lock: a second run exits 3).
-The result goes atomically to <state-dir>/last.json (last-<gate>.json for one gate). Text output starts with a
-monitoring plugin's line, then the table: `PARITY OK - runtime OK; content OK | duration=0.31s;;;0 failed=0;;;0
-warned=0;;;0 rtt_fab1=0.08ms;;;0`. --json: one JSON object. Exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.
+Gate runtime: ssh, runtime.*, resources.*, link.*; gate content: code, model, dataset bytes. One probe per host,
+in parallel, within --timeout; a second run exits 3 (flock); the result also goes to <state-dir>/last.json.
+Text starts `PARITY OK - runtime OK; content OK | duration=0.31s;;;0 ...` (a monitoring plugin's line);
+--json prints one object. Exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.
 """
 
 from __future__ import annotations
@@ -39,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # Only what the probes need: every import here delays all hosts' answers.
-from lib import parity, paths  # noqa: E402
+from lib import atomic, parity, paths  # noqa: E402
 from lib import parity_probe as local_probe  # noqa: E402
 from lib.hostfile import check_path, is_local  # noqa: E402
 from lib.hostfile import load as load_hostfile  # noqa: E402
@@ -47,11 +38,11 @@ from lib.log import RunbookError  # noqa: E402
 
 STATUS = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "UNKNOWN"}
 GATES = {"runtime": ["runtime"], "content": ["content"], "all": ["runtime", "content"]}
-CONTENT = ("code", "model", "dataset")
-FAST_SYNCH = "MLX_METAL_FAST_SYNCH"
+CONTENT, FAST_SYNCH = ("code", "model", "dataset"), "MLX_METAL_FAST_SYNCH"
 TCC_FIX = ("on the host: System Settings > General > Sharing > Remote Login (i) > Allow full disk access for "
            "remote users, or move REMOTE_ROOT out of ~/Desktop, ~/Documents, ~/Downloads; see RUNBOOK.md#parity-tcc")
-MIN_MEM_GB, RTT_WARN_MS, GB = 2.0, 2.0, 1 << 30
+LINK_FIX = "see RUNBOOK.md#parity-link"
+MIN_MEM_GB, RTT_WARN_MS, GB, MiB = 2.0, 2.0, 1 << 30, 1 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,10 +70,8 @@ def listed(label: str, items: list) -> list[str]:
     return [f"{label}: {', '.join(sorted(items)[:5])}{more}"] if items else []
 
 
-# ---- inputs, refused before any subprocess runs ---------------------------------------------------
-
 def validate_inputs(args):
-    """The hostfile and every value that reaches a subprocess (RunbookError names it)."""
+    """The hostfile and every value that reaches a subprocess, refused before any runs (RunbookError)."""
     hf = load_hostfile(args.hostfile)
     check_path(args.python, "PYTHON")
     args.root = os.path.normpath(check_path(args.remote_root, "REMOTE_ROOT"))
@@ -90,16 +79,15 @@ def validate_inputs(args):
         raise RunbookError(f"DATASET {args.dataset!r} refused: use a plain folder name (letters, digits, "
                            "'.', '_', '-')", "parity-dataset")
     local = Path(os.path.abspath(paths.ROOT / args.model))  # not resolved: models/x may link to a bigger disk
-    args.model_local = local if args.model and local.is_dir() else None
-    args.model_remote = None  # the same folder under REMOTE_ROOT, or the same absolute path outside the repo
-    if args.model_local:
-        inside = local.is_relative_to(paths.ROOT)
-        remote = os.path.join(args.root, local.relative_to(paths.ROOT).as_posix()) if inside else str(local)
-        args.model_remote = check_path(remote, "MODEL path on the hosts")
-    manifest = paths.DATASETS / args.dataset / "manifest.json"
-    args.dataset_parts = None  # the manifest and the files it lists, once exported here
-    if args.dataset and manifest.is_file():
-        args.dataset_parts = ["manifest.json", *json.loads(manifest.read_text(encoding="utf-8")).get("files", {})]
+    args.model_local = local if args.model and local.is_dir() else None  # hosts: the same repo-relative path
+    remote = args.model_local and (os.path.join(args.root, local.relative_to(paths.ROOT).as_posix())
+                                   if local.is_relative_to(paths.ROOT) else str(local))
+    args.model_remote = remote and check_path(remote, "MODEL path on the hosts")
+    manifest = paths.DATASETS / args.dataset / "manifest.json"  # the manifest and its files, once exported here
+    args.dataset_parts = ["manifest.json", *json.loads(manifest.read_text(encoding="utf-8")).get("files", {})] \
+        if args.dataset and manifest.is_file() else None
+    args.model_bytes = sum(p.stat().st_size for p in local.glob("*.safetensors")) if args.model_local else 0
+    args.peaks, args.calibration = calibrated_peaks(args.model)
     h = f"HOSTFILE={args.hostfile}"
     args.fix = {"provision": f"make provision {h}; see RUNBOOK.md#parity-runtime",
                 "sync": f"make sync {h}; see RUNBOOK.md#parity-code",
@@ -108,42 +96,47 @@ def validate_inputs(args):
     return hf
 
 
+def calibrated_peaks(model: str) -> tuple[dict, str]:
+    """({host: peak bytes at the recommended per-rank batch, weights included}, file) from the newest
+    runs/calibration-*.json of MODEL (bin/calibrate.py's hosts[].sweep[] and recommendation)."""
+    for path in sorted(paths.RUNS.glob("calibration-*.json"), reverse=True):
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if model and doc.get("model") == model:
+            b, peaks = (doc.get("recommendation") or {}).get("per_rank_batch"), {}
+            for host in doc.get("hosts", []):
+                rows = [r for r in host.get("sweep", []) if not r.get("over_memory")]
+                row = next((r for r in rows if r["batch"] == b), rows[-1] if rows else None)
+                peaks.update({host["ssh"]: row["peak_mem_bytes"]} if row else {})
+            return peaks, path.name
+    return {}, ""
+
+
 def local_reference(args) -> dict:
     """What every host is compared with: this checkout's lock, and its code, model and dataset files."""
-    ref = {"lock": (paths.ROOT / "requirements.lock").read_text(encoding="utf-8"), "model": None, "dataset": None}
-    if "content" in GATES[args.gate]:
-        ref["code"] = local_probe.probe_files(str(paths.ROOT), parity.CODE_PARTS, True)
-        if args.model_local:
-            ref["model"] = local_probe.probe_files(str(args.model_local), ["."], args.deep)
-        if args.dataset_parts:
-            ref["dataset"] = local_probe.probe_files(str(paths.DATASETS / args.dataset), args.dataset_parts, True)
-    return ref
+    content, probe = "content" in GATES[args.gate], local_probe.probe_files
+    return {"lock": (paths.ROOT / "requirements.lock").read_text(encoding="utf-8"),
+            "code": probe(str(paths.ROOT), parity.CODE_PARTS, True) if content else None,
+            "model": probe(str(args.model_local), ["."], args.deep) if content and args.model_local else None,
+            "dataset": probe(str(paths.DATASETS / args.dataset), args.dataset_parts, True)
+            if content and args.dataset_parts else None}
 
 
-# ---- runtime ------------------------------------------------------------------------------------
-
-def eval_python(h: str, py: dict, runnable: dict, args) -> dict:
-    """PYTHON runs and resolves to the interpreter (real path and version) most hosts have; a tie
-    goes to this machine's, then to rank order."""
-    if py["fallback"]:
-        why = "exists but does not run" if py["exists"] else "does not exist"
-        if py["exists"] and py["why"]:
-            why += f" ({' | '.join(py['why'].splitlines()[-2:])[:300]})"
-        return check("runtime.python", h, "fail", f"PYTHON {py['requested']} {why} on this host", args.fix["provision"])
+def eval_python(h: str, runnable: dict, args) -> dict:
+    """PYTHON resolves to the interpreter (real path, version) most hosts have; ties: this machine's, rank order."""
     keys = {k: f"{p['realpath']} (Python {p['version']})" for k, p in runnable.items()}
     counts = Counter(keys.values())
     tied = [v for v in keys.values() if counts[v] == max(counts.values())]
     here = f"{os.path.realpath(args.python)} (Python {platform.python_version()})"
     best = here if here in tied else tied[0]
     if keys[h] == best:
-        return check("runtime.python", h, "pass", f"{py['requested']} -> {keys[h]}")
+        return check("runtime.python", h, "pass", f"{runnable[h]['requested']} -> {keys[h]}")
     return check("runtime.python", h, "fail", f"PYTHON resolves to {keys[h]}, but to {best} on "
                  + ", ".join(k for k, v in keys.items() if v == best), args.fix["provision"])
 
 
 def eval_packages(h: str, f: dict, lock: str, fix: str) -> list[dict]:
-    """runtime.packages: PACKAGES at the lock's versions for this host; runtime.mlx: mlx.core imports,
-    computes, is new enough and is the installed one (not shadowed by PYTHONPATH or a .pth file)."""
+    """runtime.packages: the lock's versions for this host; runtime.mlx: mlx.core imports, computes, is new
+    enough and is the installed one (not shadowed by PYTHONPATH or a .pth file)."""
     have, mx, pins = f.get("packages") or {}, f.get("mlx") or {}, parity.lock_pins(lock, f["marker_env"])
     bad = [f"{n}: requirements.lock has no pin for this host's platform" for n in parity.PACKAGES[:6] if n not in pins]
     bad += [f"{n} {have.get(n) or 'missing'} (lock {pins[n]})" for n in parity.PACKAGES
@@ -175,21 +168,18 @@ def eval_env(h: str, f: dict, envs: list[str]) -> dict:
                  "see RUNBOOK.md#parity-fast-synch")
 
 
-def eval_disk(args, h: str, disk: dict) -> dict:
-    if "free_bytes" not in disk:
-        return check("resources.disk", h, "fail", f"cannot read free disk: {disk.get('error')}", "see RUNBOOK.md#parity-resources")
-    free = disk["free_bytes"] / GB
-    return check("resources.disk", h, "pass" if free >= args.min_disk_gb else "fail", f"{free:.1f} GB free at "
-                 f"{disk['path']} (minimum {args.min_disk_gb:g} GB)", f"free space on the host (du -sh "
-                 f"{args.root}/runs/*), or lower MIN_DISK_GB; see RUNBOOK.md#parity-resources")
-
-
-def eval_memory(h: str, mem: dict) -> dict:
-    avail = (mem.get("available_bytes") or 0) / GB
-    detail = (f"{avail:.1f} GB available of {mem['total_bytes'] / GB:.1f} GB (warn below {MIN_MEM_GB:g} GB)"
-              if "available_bytes" in mem else f"cannot read free memory: {mem.get('error')}")
-    return check("resources.memory", h, "pass" if avail >= MIN_MEM_GB else "warn", detail,
-                 "stop other jobs on the host; see RUNBOOK.md#parity-resources")
+def eval_resources(args, h: str, f: dict) -> list[dict]:
+    """resources.disk at REMOTE_ROOT, resources.memory available now."""
+    disk, mem, fix = f["disk"], f.get("memory") or {}, "see RUNBOOK.md#parity-resources"
+    free, avail = disk.get("free_bytes", -GB) / GB, (mem.get("available_bytes") or 0) / GB
+    return [check("resources.disk", h, "pass" if free >= args.min_disk_gb else "fail",
+                  f"{free:.1f} GB free at {disk['path']} (minimum {args.min_disk_gb:g} GB)" if free >= 0 else
+                  f"cannot read free disk: {disk.get('error')}",
+                  f"free space on the host (du -sh {args.root}/runs/*), or lower MIN_DISK_GB; {fix}"),
+            check("resources.memory", h, "pass" if avail >= MIN_MEM_GB else "warn",
+                  f"{avail:.1f} GB available of {mem['total_bytes'] / GB:.1f} GB (warn below {MIN_MEM_GB:g} GB)"
+                  if "available_bytes" in mem else f"cannot read free memory: {mem.get('error')}",
+                  f"stop other jobs on the host; {fix}")]
 
 
 def eval_remote_root(args, h: str, disk: dict, system: str) -> dict:
@@ -213,20 +203,24 @@ def eval_remote_root(args, h: str, disk: dict, system: str) -> dict:
     return check("resources.remote_root", h, status, why, fix)
 
 
-def eval_macos(h: str, f: dict, hf) -> list[dict]:
+def eval_macos(args, h: str, f: dict, hf) -> list[dict]:
+    """Thunderbolt, RDMA, sleep and wired memory from the macOS tools' output (skipped elsewhere)."""
     jaccl, ranks, mac = hf.backend.startswith("jaccl"), [r for r in hf.hosts if r.ssh == h], f.get("macos") or {}
     ips = [ip for r in ranks for ip in r.ips]
     if f["system"] != "Darwin":
-        skip = f"skipped: not macOS ({f['system']})"
-        return [check("resources.thunderbolt", h, "pass", skip)] + [check("resources.rdma", h, "pass", skip)] * jaccl
+        names = ["resources.thunderbolt", "resources.sleep", "resources.wired"] + ["resources.rdma"] * jaccl
+        return [check(n, h, "pass", f"skipped: not macOS ({f['system']})") for n in names]
     if jaccl or all(ip.startswith("127.") for ip in ips):
         why = "jaccl carries data over rdma devices" if jaccl else "loopback ranks"
         out = [check("resources.thunderbolt", h, "pass", f"skipped: {why}")]
     else:
         out = [check("resources.thunderbolt", h, *parity.thunderbolt_facts(ips, mac), "see RUNBOOK.md#parity-thunderbolt")]
+    status, detail, flag = parity.sleep_facts(mac.get("pmset"), mac.get("pmset_ps"))
+    out += [check("resources.sleep", h, status, detail, f"on the host: sudo pmset {flag} sleep 0 (or System Settings "
+                  "> Energy: prevent automatic sleeping); caffeinate -i holds only while the ranks and make train "
+                  "run; see RUNBOOK.md#parity-sleep"), eval_wired(args, h, f)]
     if jaccl:
-        wanted = [d for r in ranks for d in parity.rdma_wanted(r.rdma)]
-        missing, shown = parity.rdma_missing(wanted, mac.get("ibv_devices"))
+        wanted, missing, shown = parity.rdma_missing([e for r in ranks for e in r.rdma], mac.get("ibv_devices"))
         detail = (f"ibv_devices does not list {', '.join(missing)} (lists: {', '.join(shown) or 'nothing'})"
                   if missing else f"ibv_devices lists {', '.join(wanted)}")
         out.append(check("resources.rdma", h, "fail" if missing else "pass", detail, "enable RDMA in recoveryOS "
@@ -234,59 +228,72 @@ def eval_macos(h: str, f: dict, hf) -> list[dict]:
     return out
 
 
+def eval_wired(args, h: str, f: dict) -> dict:
+    """What a rank needs (the calibrated peak of this model, weights included; else the weights) against
+    Metal's recommended working set, which mlx-lm wires and a raised iogpu.wired_limit_mb raises."""
+    limit, ws = parity.wired_limit_mb((f.get("macos") or {}).get("wired_limit")), (f.get("mlx") or {}).get("working_set")
+    total, peak = (f.get("memory") or {}).get("total_bytes") or 0, args.peaks.get(h)
+    need, safe_mb, fix = max(args.model_bytes, peak or 0), max(total // MiB - 4096, 0), "see RUNBOOK.md#parity-wired-limit"
+    what = (f"calibrated peak {peak / GB:.1f} GB ({args.calibration}, weights included)" if peak else
+            f"the model's {args.model_bytes / GB:.1f} GB of weights (no calibration of this model)")
+    detail = (f"iogpu.wired_limit_mb {limit if limit else '0 (the default)'}; recommended working set "
+              f"{(ws or 0) / GB:.1f} GB of {total / GB:.0f} GB; needs {what}")
+    if limit and limit > safe_mb:
+        status, detail = "warn", detail + ": the limit leaves under 4 GB to macOS (over-wiring froze 16 GB Macs, exo#1672)"
+        fix = f"on the host: sudo sysctl iogpu.wired_limit_mb={safe_mb} (or 0, the default); " + fix
+    elif ws and need > ws:
+        status = "warn"
+        detail += f": over the working set by {(need - ws) / GB:.1f} GB (the GPU pages, or the run fails)"
+        fix = (f"a smaller per-rank batch (make calibrate), or on the host: sudo sysctl iogpu.wired_limit_mb="
+               f"{min(-(-need // MiB) + 1024, safe_mb)} (resets at reboot; keep 4 GB for macOS: over-wiring froze "
+               "16 GB Macs, exo#1672); " + fix)
+    else:
+        status, detail = ("pass", detail) if ws else ("warn", "mlx reports no recommended working set: " + detail)
+    return check("resources.wired", h, status, detail, fix)
+
+
 def eval_link(h: str, f: dict) -> list[dict]:
     ips, link, out = f["ips"], f["link"], []
     missing = [ip for ip, ok in ips.items() if ok is not True]
     if ips and "error" not in ips:
         detail = f"hostfile IP(s) {', '.join(missing)} are not this host's" if missing else f"owns {', '.join(ips)}"
-        out.append(check("link.ips", h, "fail" if missing else "pass", detail, "fix the host's ips in the "
-                         "hostfile (or the host's interface setup); see RUNBOOK.md#parity-link"))
+        out.append(check("link.ips", h, "fail" if missing else "pass", detail,
+                         f"fix the host's ips in the hostfile (or the host's interface setup); {LINK_FIX}"))
     if "error" in link or not link:
-        detail = f"probe error: {link['error']}" if link else "skipped: no peers (one rank)"
-        return out + [check("link.rtt", h, "fail" if link else "pass", detail)]
+        return out + [check("link.rtt", h, "fail" if link else "pass", f"probe error: {link['error']}" if link
+                            else "skipped: no peers (one rank)", LINK_FIX)]
     dead = [f"{ip} ({v['error']})" for ip, v in link.items() if v["rtt_ms"] is None]
     slow = [ip for ip, v in link.items() if v["rtt_ms"] is not None and v["rtt_ms"] > RTT_WARN_MS]
     shown = ", ".join(f"{ip} {v['rtt_ms']} ms (min of {v['tries']})" for ip, v in link.items() if v["rtt_ms"] is not None)
     if dead:
         return out + [check("link.rtt", h, "fail", "peer(s) unreachable: " + "; ".join(dead),
-                            "check the cable/bridge and the peer's IP; see RUNBOOK.md#parity-link")]
-    detail = (f"round trip above {RTT_WARN_MS:g} ms: " if slow else "") + f"{shown} (TCP :22)"
-    return out + [check("link.rtt", h, "warn" if slow else "pass", detail, "the ring may be running over "
-                        "Wi-Fi/Ethernet, not Thunderbolt; see RUNBOOK.md#parity-link")]
-
-
-# ---- content ------------------------------------------------------------------------------------
-
-def compare(ours: dict, theirs: dict) -> tuple[list[str], list[str]]:
-    """(failures, warnings) between two trees {rel: [size, mtime, sha256 or None]}: without sha256
-    on both sides, equal sizes with other mtimes are only a warning."""
-    both = set(ours) & set(theirs)
-    differ = [p for p in both if ours[p][0] != theirs[p][0] or ours[p][2] != theirs[p][2]]
-    unsure = [p for p in both if p not in differ and ours[p][2] is None and ours[p][1] != theirs[p][1]]
-    return (listed("differs", differ) + listed("missing", set(ours) - set(theirs))
-            + listed("extra on host", set(theirs) - set(ours)), listed("mtime differs (size equal; unverified)", unsure))
+                            f"check the cable/bridge and the peer's IP; {LINK_FIX}")]
+    return out + [check("link.rtt", h, "warn" if slow else "pass", (f"round trip above {RTT_WARN_MS:g} ms: " if slow
+                        else "") + f"{shown} (TCP :22)", f"the ring may run over Wi-Fi/Ethernet, not Thunderbolt; {LINK_FIX}")]
 
 
 def eval_content(args, h: str, f: dict, ref: dict) -> list[dict]:
-    """code, model and dataset files on the host equal this checkout's."""
+    """code, model and dataset files {rel: [size, mtime, sha256 or None]} equal this checkout's; without
+    sha256, equal sizes with other mtimes only warn; a dataset not synced yet warns until a launch."""
     out = []
     for name, where, fix in (("code", args.root, "sync"), ("model", args.model_remote, "sync_model"),
                              ("dataset", f"{args.root}/datasets/{args.dataset}", "sync")):
         ours, theirs = ref[name], f[name]
         if ours is None:
             continue
-        if "error" in theirs:
-            fails, warns = [f"probe error: {theirs['error']}"], []
-        elif not theirs:  # not synced yet: for a dataset a warning until a launch needs it
-            fails = warns = [f"none of its {len(ours)} files exist on this host (not synced yet)"]
+        if "error" in theirs or not theirs:
+            why = f"probe error: {theirs['error']}" if theirs else f"none of its {len(ours)} files exist on this host (not synced yet)"
+            fails, warns = [] if name == "dataset" and not theirs else [why], [why]
         else:
-            fails, warns = compare(ours, theirs)
-        fails = [] if name == "dataset" and not theirs else fails
+            both = set(ours) & set(theirs)
+            differ = [p for p in both if ours[p][0] != theirs[p][0] or ours[p][2] != theirs[p][2]]
+            fails = listed("differs", differ) + listed("missing", set(ours) - set(theirs)) + listed(
+                "extra on host", set(theirs) - set(ours))
+            warns = listed("mtime differs (size equal; unverified)", [p for p in both if p not in differ
+                                                                      and ours[p][2] is None and ours[p][1] != theirs[p][1]])
         status = "fail" if fails else "warn" if warns else "pass"
-        mb = sum(v[0] for v in ours.values()) / 1e6
-        detail = "; ".join(fails or warns) or f"{len(ours)} files, {mb:.1f} MB identical"
-        fix = "deep" if status == "warn" and name == "model" else fix
-        out.append(check(name, h, status, f"{where}: {detail}", args.fix[fix]))
+        detail = "; ".join(fails or warns) or f"{len(ours)} files, {sum(v[0] for v in ours.values()) / 1e6:.1f} MB identical"
+        out.append(check(name, h, status, f"{where}: {detail}", args.fix["deep" if status == "warn" and name == "model" else fix]))
     return out
 
 
@@ -301,36 +308,30 @@ def model_note(args) -> list[dict]:
                   "own cache)" if args.model else "skipped: no MODEL")]
 
 
-# ---- every host, in parallel ----------------------------------------------------------------------
-
 def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
     """The gate's checks for every host from its probe: results[host] = (facts or None, Result, seconds)."""
     checks, facts, runtime = [], {}, "runtime" in GATES[args.gate]
     for h in hf.unique_ssh():
         f, r, secs = results[h]
-        if f is None:
+        why = parity.python_failure(args.python, r) if f is None else None
+        if f is None and not why:
             tail = (r.stderr.strip() or r.stdout.strip())[-300:] or "empty output"
-            detail, fix = parity.ssh_failure(h, r) if not r.ok else (
-                f"ssh works but the probe printed no result: {tail}", "run the probe by hand: see RUNBOOK.md#parity-ssh")
-            checks.append(check("ssh", h, "fail", detail, fix))
+            checks.append(check("ssh", h, "fail", *parity.ssh_failure(h, r) if not r.ok else (
+                f"ssh works but the probe printed no result: {tail}", "run the probe by hand: see RUNBOOK.md#parity-ssh")))
             continue
-        facts[h] = f
         how = "local (127.0.0.1, like mlx.launch)" if is_local(h) else "ssh ok" + (
             " (self-ssh: this machine is a rank)" if h in args.self_hosts else "")
         checks.append(check("ssh", h, "pass", f"{how}, round trip {secs:.2f} s"))
-    runnable = {h: f["python"] for h, f in facts.items() if "python" in f and not f["python"]["fallback"]}
+        if why:  # PYTHON is missing or dies: nothing more can be asked of this host
+            checks.append(check("runtime.python", h, "fail", why, args.fix["provision"]))
+        else:
+            facts[h] = f
     for h, f in facts.items():
-        if f.get("no_python"):  # only the probe's shell part answered: nothing but the disk is known
-            checks += [check("runtime.python", h, "fail", "no Python at all on this host (PYTHON missing, no python3)",
-                             f"install Python {sys.version_info[0]}.{sys.version_info[1]} on the host, then " + args.fix["provision"]),
-                       eval_disk(args, h, f["disk"])] if runtime else []
-            continue
         if runtime:
-            checks.append(eval_python(h, f["python"], runnable, args))
-            checks += [] if f["python"]["fallback"] else eval_packages(h, f, ref["lock"], args.fix["provision"])
-            checks += [eval_env(h, f, hf.envs), eval_disk(args, h, f["disk"]), eval_memory(h, f.get("memory") or {}),
-                       eval_remote_root(args, h, f["disk"], f["system"])]
-            checks += eval_macos(h, f, hf) + eval_link(h, f)
+            checks += [eval_python(h, {k: v["python"] for k, v in facts.items()}, args),
+                       *eval_packages(h, f, ref["lock"], args.fix["provision"]), eval_env(h, f, hf.envs),
+                       *eval_resources(args, h, f), eval_remote_root(args, h, f["disk"], f["system"]),
+                       *eval_macos(args, h, f, hf), *eval_link(h, f)]
         if "content" in GATES[args.gate]:
             checks += eval_content(args, h, f, ref)
     return checks + (model_note(args) if "content" in GATES[args.gate] else [])
@@ -340,12 +341,11 @@ def probe_host(args, h: str, hf, peers: dict, deadline: float) -> tuple:
     """(facts or None, Result, seconds) of one host's probe."""
     params = {"python": args.python, "remote_root": args.root, "parts": GATES[args.gate], "peers": peers.get(h, []),
               "own_ips": list(dict.fromkeys(ip for r in hf.hosts if r.ssh == h for ip in r.ips)),
-              "link_enough_ms": RTT_WARN_MS / 4, "rdma": hf.backend.startswith("jaccl"),
-              "code_parts": parity.CODE_PARTS, "model_path": args.model_remote, "deep": args.deep,
-              "dataset_parts": args.dataset_parts,
+              "link_enough_ms": RTT_WARN_MS / 4, "rdma": hf.backend.startswith("jaccl"), "deep": args.deep,
+              "code_parts": parity.CODE_PARTS, "model_path": args.model_remote, "dataset_parts": args.dataset_parts,
               "dataset_path": os.path.join(args.root, "datasets", args.dataset) if args.dataset else None}
     t0 = time.monotonic()
-    facts, r = parity.probe(h, args.python, args.root, params, max(1.0, deadline - t0 - 0.5))
+    facts, r = parity.probe(h, args.python, params, max(1.0, deadline - t0 - 0.5))
     return facts, r, time.monotonic() - t0
 
 
@@ -353,8 +353,8 @@ def run_checks(args, deadline: float) -> list[dict]:
     try:
         hf = validate_inputs(args)
     except RunbookError as e:
-        name = "hostfile" if e.anchor == "hostfile" else "inputs"
-        return [check(name, "-", "fail", e.args[0], f"see RUNBOOK.md#{e.anchor}")]
+        return [check("hostfile" if e.anchor == "hostfile" else "inputs", "-", "fail", e.args[0],
+                      f"see RUNBOOK.md#{e.anchor}")]
     hosts, peers = hf.unique_ssh(), parity.peers_of(hf)
     mine = local_probe.probe_ips([ip for r in hf.hosts if not is_local(r.ssh) for ip in r.ips])
     args.self_hosts = {r.ssh for r in hf.hosts if not is_local(r.ssh) and any(mine.get(ip) for ip in r.ips)}
@@ -362,14 +362,12 @@ def run_checks(args, deadline: float) -> list[dict]:
         running = {h: pool.submit(probe_host, args, h, hf, peers, deadline) for h in hosts}
         ref = local_reference(args)  # hashed here while the hosts answer
         results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
-    links = {h: f.get("link") for h, (f, _, _) in results.items() if f and "error" not in (f.get("link") or {"error"})}
+    links = {h: (f or {}).get("link") or {"-": {"rtt_ms": None}} for h, (f, _, _) in results.items()}
     args.rtts = {h: max(v["rtt_ms"] for v in link.values()) for h, link in links.items()
-                 if all(v["rtt_ms"] is not None for v in link.values())}
+                 if "error" not in link and all(v["rtt_ms"] is not None for v in link.values())}
     summary = f"{args.hostfile}: {hf.backend or 'ring'}, {hf.size} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}"
     return [check("hostfile", "-", "pass", summary)] + evaluate(args, hf, ref, results)
 
-
-# ---- report -------------------------------------------------------------------------------------
 
 def code_of(checks: list[dict]) -> int:
     st = {c["status"] for c in checks}
@@ -391,10 +389,8 @@ def plugin_line(result: dict, args) -> str:
         if bad or (mine and part in GATES[args.gate]):
             summary.append(f"{part} {STATUS[code_of(mine)]}" + (f" ({', '.join(bad[:4])}{more})" if bad else ""))
         else:  # a gate not asked for, or one that the hostfile or inputs stopped before it began
-            summary.append(f"{part} not checked (--gate {args.gate})" if part not in GATES[args.gate] else
-                           f"{part} not reached")
-    if result["code"] == 3:
-        summary = [rows[0]["detail"][:200]]
+            summary.append(f"{part} not reached" if part in GATES[args.gate] else f"{part} not checked (--gate {args.gate})")
+    summary = [rows[0]["detail"][:200]] if result["code"] == 3 else summary
     n = Counter(c["status"] for c in rows)
     perf = [f"duration={result['duration_s']}s;;;0", f"failed={n['fail']};;;0", f"warned={n['warn']};;;0"]
     perf += [f"{perf_label('rtt_' + h)}={ms}ms;;;0" for h, ms in getattr(args, "rtts", {}).items()]
@@ -447,26 +443,19 @@ def main() -> int:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another run holds it: say so, touch nothing
             lock.seek(0)
-            holder, last = lock.read().strip() or "?", None
-            checks, code = [check("lock", "-", "fail", f"another check-parity is running (pid {holder} holds "
-                                  f"{state / '.lock'}); this run exits without checking",
-                                  "wait for it to finish; see RUNBOOK.md#parity-lock")], 3
+            checks, code, last = [check("lock", "-", "fail", f"another check-parity is running (pid "
+                                        f"{lock.read().strip() or '?'} holds {state / '.lock'}); this run exits "
+                                        "without checking", "wait for it to finish; see RUNBOOK.md#parity-lock")], 3, None
         else:
             lock.truncate(0)
-            lock.write(f"{os.getpid()}\n")
-            lock.flush()
+            print(os.getpid(), file=lock, flush=True)
             checks, code = checked(args)
             last = state / ("last.json" if args.gate == "all" else f"last-{args.gate}.json")
         result = {"status": STATUS[code], "code": code, "checks": checks,
                   "duration_s": round(time.monotonic() - t0, 3), "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if last is not None:
-            from lib import atomic
-
             atomic.write_json(last, result)
-    if args.json:
-        print(json.dumps(result, sort_keys=True), flush=True)
-    else:
-        print_table(result, args)
+    print(json.dumps(result, sort_keys=True), flush=True) if args.json else print_table(result, args)
     return code
 
 

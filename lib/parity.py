@@ -1,10 +1,8 @@
-"""check-parity's orchestrator side: the probe call, ssh failures, the lock, topology, macOS tools.
+"""check-parity's orchestrator side: the probe call, ssh and PYTHON failures, the lock's pins,
+topology, and macOS tools' output (parsed here, tested on recorded output in tests/fixtures/macos/).
 
-probe() runs lib/parity_probe.py on a host (ssh; local for 127.0.0.1, as mlx.launch does) under its
-PYTHON, or its python3 when PYTHON does not run; ssh_failure() names what a failed ssh means and its
-fix; lock_pins() is requirements.lock for one host's markers; peers_of() the IPs each host's ranks
-talk to; parse_*, thunderbolt_facts and rdma_* read macOS tools' output (tests: tests/fixtures/macos/).
-Example: `parity.probe("mac5", PYTHON, REMOTE_ROOT, {"parts": ["runtime"]}, 20)` -> (facts, Result).
+Example: `parity.probe("mac5", PYTHON, {"parts": ["runtime"]}, 20)` -> (facts or None, Result): one
+ssh round trip (local for 127.0.0.1, as mlx.launch does) running lib/parity_probe.py under PYTHON.
 """
 
 from __future__ import annotations
@@ -23,64 +21,51 @@ CODE_PARTS = ["bin", "lib", "configs", "requirements.lock"]
 # What runtime.packages compares: mlx, mlx-lm and the four they load, plus mlx's platform wheel.
 PACKAGES = ["mlx", "mlx-lm", "numpy", "transformers", "tokenizers", "safetensors", "mlx-cpu", "mlx-metal"]
 MLX_MIN = (0, 32, 1)
-
-# A constant script: $1 = PYTHON, $2 = REMOTE_ROOT, $3 = the probe's JSON parameters, its source on stdin.
-# PYTHON missing or dying before it prints: python3 runs it with --fallback; no Python: the shell says so.
+LOCK_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)\s*(?:;\s*(.*?))?\s*\\?\s*$")
+# A constant script: $1 = PYTHON, $2 = the probe's JSON parameters, its source on stdin. Exit 97 with
+# a last stderr line "@@ missing" or "@@ exit N" when PYTHON does not exist or dies before it prints.
 PROBE_SH = r"""
-py=$1; root=$2; params=$3
-src=$(cat)
-why=missing
-if [ -n "$py" ] && [ -x "$py" ] && [ ! -d "$py" ]; then
-  out=$("$py" -c "$src" "$params" 2>&1 </dev/null); rc=$?
-  case $out in *'"probe_version": '*) printf '%s\n' "$out"; exit 0;; esac
-  why="exit $rc: $(printf '%s' "$out" | tail -n 3)"
-fi
-for c in python3 /usr/bin/python3 /opt/homebrew/bin/python3 /usr/local/bin/python3; do
-  if command -v "$c" >/dev/null 2>&1 &&
-     "$c" -c 'import sys; sys.exit(sys.version_info < (3, 8))' </dev/null >/dev/null 2>&1; then
-    exec "$c" -c "$src" "$params" --fallback "$why" </dev/null
-  fi
-done
-d=$root; while [ ! -d "$d" ]; do d=$(dirname "$d"); done
-kb=$(df -Pk "$d" 2>/dev/null | awk 'NR==2 {print $4}')
-printf '{"probe_version": 1, "no_python": true, "disk": {"path": "%s", "free_bytes": %s}}\n' "$d" "$(( ${kb:-0} * 1024 ))"
+if [ ! -x "$1" ] || [ -d "$1" ]; then echo "@@ missing" >&2; exit 97; fi
+"$1" -c "$(cat)" "$2" </dev/null || { echo "@@ exit $?" >&2; exit 97; }
 """
 
 
-def probe(host: str, python: str, remote_root: str, params: dict, timeout: float) -> tuple[dict | None, Result]:
-    """Run the probe on `host` (one ssh round trip): (its facts or None, the raw Result)."""
-    argv = ["sh", "-c", PROBE_SH, "parity-probe", python, remote_root, json.dumps(params, sort_keys=True)]
+def probe(host: str, python: str, params: dict, timeout: float) -> tuple[dict | None, Result]:
+    """Run the probe on `host`: (its facts or None, the raw Result)."""
+    argv = ["sh", "-c", PROBE_SH, "parity-probe", python, json.dumps(params, sort_keys=True)]
     r = run_on(host, argv, timeout=timeout, input=PROBE_SOURCE.read_text(encoding="utf-8"))
     return parse_probe_output(r.stdout), r
 
 
 def parse_probe_output(stdout: str) -> dict | None:
     """The last stdout line that is the probe's JSON object (a login banner may precede it)."""
-    for line in reversed(stdout.splitlines()):
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and "probe_version" in obj:
-            return obj
-    return None
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{") and '"probe_version": ' in ln]
+    return json.loads(lines[-1]) if lines else None
+
+
+def python_failure(python: str, r: Result) -> str | None:
+    """What PROBE_SH said of a PYTHON that is missing or died before printing (its last words), else None."""
+    lines = [ln for ln in (r.stderr or "").strip().splitlines() if ln.strip()]
+    if r.returncode != 97 or not lines or not lines[-1].startswith("@@ "):
+        return None
+    if lines[-1] == "@@ missing":
+        return f"PYTHON {python} does not exist on this host"
+    return f"PYTHON {python} exists but does not run ({lines[-1][3:]}: {' | '.join(lines[-3:-1])[-300:]})"
 
 
 HOST_KEY = "see RUNBOOK.md#parity-ssh-host-key"
-SSH_FAILURES = [  # (stderr pattern, detail, fix): {last} = ssh's last line, {ssh} {host} for the fix
-    (r"REMOTE HOST IDENTIFICATION HAS CHANGED|Offending", "host key CHANGED since it was recorded in known_hosts "
-     "(reinstalled host, or an attack): ssh refused to connect", "confirm the new key fingerprint on the host, "
-     "then: ssh-keygen -R {host}; {ssh} -o StrictHostKeyChecking=accept-new {host} true; " + HOST_KEY),
-    (r"Host key verification failed|host key is known|No matching host key", "host key unknown: not in "
-     "known_hosts, and ssh never prompts here (StrictHostKeyChecking=yes)", "confirm the host's key "
-     "fingerprint, then record it once: {ssh} -o StrictHostKeyChecking=accept-new {host} true; " + HOST_KEY),
-    (r"Permission denied", "authentication refused: {last}", "install your key on the host: ssh-copy-id {host}"),
-    (r"Connection refused", "sshd not listening: {last}",
-     "start sshd on the host (macOS: System Settings > General > Sharing > Remote Login)"),
-    (r"Could not resolve hostname", "unknown host name: {last}",
-     "fix the name in the hostfile or add a Host entry to ~/.ssh/config"),
-    (r"timed out|No route to host|Network is unreachable|Host is down", "host unreachable: {last}",
-     "check the host is up and the cable/network: {ssh} {host} true"),
+SSH_FAILURES = [  # (stderr pattern, detail, fix): {last} = ssh's last line; {ssh} {host} in the fix
+    ("IDENTIFICATION HAS CHANGED|Offending", "host key CHANGED since known_hosts recorded it (a reinstalled "
+     "host, or an attack)", "confirm the new key's fingerprint on the host, then: ssh-keygen -R {host}; {ssh} -o "
+     "StrictHostKeyChecking=accept-new {host} true; " + HOST_KEY),
+    ("Host key verification failed|host key is known", "host key unknown: not in known_hosts, and ssh never "
+     "prompts here", "confirm the host's key fingerprint, then record it once: {ssh} -o "
+     "StrictHostKeyChecking=accept-new {host} true; " + HOST_KEY),
+    ("Permission denied", "authentication refused: {last}", "install your key on the host: ssh-copy-id {host}"),
+    ("Connection refused", "sshd not listening: {last}", "start sshd on the host (macOS: System Settings > "
+     "General > Sharing > Remote Login)"),
+    ("timed out|No route|unreachable|Host is down|resolve", "host unreachable: {last}", "check the name in the "
+     "hostfile (or ~/.ssh/config), that the host is up, and the cable or network: {ssh} {host} true"),
 ]
 
 
@@ -88,20 +73,13 @@ def ssh_failure(host: str, r: Result) -> tuple[str, str]:
     """(detail, fix) for an ssh call that did not run the remote command."""
     err = (r.stderr or "").strip()
     last = err.splitlines()[-1][:300] if err else f"exit {r.returncode}"
-    cfg = os.environ.get("SSH_CONFIG")
-    ssh = shlex.join(["ssh", "-F", cfg]) if cfg else "ssh"
+    detail, fix = next(((d, f) for pat, d, f in SSH_FAILURES if re.search(pat, err)), (
+        f"ssh failed (exit {r.returncode}): {last}", "run it by hand to see why: {ssh} {host} true"))
     if r.timed_out:
-        detail, fix = f"no answer within the time bound ({last})", "check the host is up and the link works: {ssh} {host} true"
-    elif r.returncode == 127 and "ssh" in err:
-        detail, fix = f"command not found: {last}", "install OpenSSH client (ssh) here"
-    else:
-        detail, fix = next(((d, f) for pat, d, f in SSH_FAILURES if re.search(pat, err)),
-                           (f"ssh failed (exit {r.returncode}): {last}", "run it by hand to see why: {ssh} {host} true"))
-    fix = fix.format(ssh=ssh, host=host)
+        detail = f"no answer within the time bound ({last})"
+    cfg = os.environ.get("SSH_CONFIG")
+    fix = fix.format(ssh=shlex.join(["ssh", "-F", cfg]) if cfg else "ssh", host=host)
     return detail.format(last=last), fix if "RUNBOOK.md#" in fix else fix + "; see RUNBOOK.md#parity-ssh"
-
-
-LOCK_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)\s*(?:;\s*(.*?))?\s*\\?\s*$")
 
 
 def lock_pins(text: str, env: dict) -> dict[str, str]:
@@ -120,8 +98,7 @@ def version_tuple(v: str) -> tuple[int, ...]:
 
 
 def peers_of(hf: Hostfile) -> dict[str, list[str]]:
-    """For each ssh host, the first IP of each rank its ranks talk to: ring neighbours (rank i-1
-    and i+1) for ring, every other rank for jaccl's mesh."""
+    """{ssh host: first IP of each rank its ranks talk to}: ring neighbours, or every rank for jaccl."""
     n, out = hf.size, {}
     for h in hf.hosts:
         others = range(n) if hf.backend == "jaccl" else ((h.rank - 1) % n, (h.rank + 1) % n)
@@ -142,8 +119,7 @@ def parse_hardware_ports(text: str) -> dict[str, str]:
 
 def parse_ifconfig(text: str) -> dict[str, dict]:
     """macOS `ifconfig` -> {iface: {"flags": [...], "inet": [...], "members": [...], "status": str}}."""
-    out: dict[str, dict] = {}
-    cur: dict = {}
+    out, cur = {}, {}
     for line in text.splitlines():
         m = re.match(r"^([A-Za-z0-9_.-]+): flags=\w+<([^>]*)>", line)
         if m:
@@ -172,8 +148,7 @@ def parse_thunderbolt(text: str) -> list[dict]:
 
 
 def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
-    """(pass|warn|fail, detail): each of this host's hostfile IPs sits on a Thunderbolt
-    interface that is up, with a Thunderbolt peer connected."""
+    """(pass|warn|fail, detail): each hostfile IP is on a Thunderbolt interface that is up, with a peer."""
     out = {k: v if isinstance(v, str) else "" for k, v in outputs.items()}  # a tool that failed: {"error": ...}
     ports, ifaces = parse_hardware_ports(out.get("networksetup", "")), parse_ifconfig(out.get("ifconfig", ""))
     tb = parse_thunderbolt(out["system_profiler"]) if out.get("system_profiler") else []
@@ -204,12 +179,28 @@ def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
     return status, "; ".join(problems + warns + notes if status != "fail" else problems + warns)
 
 
-def rdma_wanted(row: list) -> list[str]:
-    """The device names of one rank's rdma row (null on the diagonal; an entry may be a list)."""
-    return [d for d in dict.fromkeys(d for e in row for d in (e if isinstance(e, list) else [e])) if d]
-
-
-def rdma_missing(wanted: list[str], ibv_output: str) -> tuple[list[str], list[str]]:
-    """(missing, listed): the hostfile's rdma devices that `ibv_devices` does not list."""
+def rdma_missing(row: list, ibv_output: object) -> tuple[list[str], list[str], list[str]]:
+    """(wanted, missing, listed): rdma row entries (a name, a list or null) against `ibv_devices`."""
+    wanted = [d for d in dict.fromkeys(d for e in row for d in (e if isinstance(e, list) else [e])) if d]
     listed = parse_ibv_devices(ibv_output if isinstance(ibv_output, str) else "")
-    return [d for d in wanted if d not in listed], listed
+    return wanted, [d for d in wanted if d not in listed], listed
+
+
+def sleep_facts(pmset: object, ps: object) -> tuple[str, str, str]:
+    """(pass|warn, detail, pmset flag): `pmset -g` shows the current power source's (`pmset -g ps`) settings;
+    sleep N > 0 sleeps after N idle minutes ("sleep prevented by X" lasts while X runs; disksleep is harmless)."""
+    m = re.search(r"(?m)^\s*sleep\s+(\d+)(.*)$", pmset if isinstance(pmset, str) else "")
+    src = re.search(r"Now drawing from '([^']+)'", ps if isinstance(ps, str) else "")
+    source = src.group(1) if src else "the current power source"
+    flag = {"Battery Power": "-b", "AC Power": "-c", "UPS Power": "-u"}.get(source, "-a")
+    if not m:
+        return "warn", f"pmset -g shows no sleep setting ({source})", flag
+    n, tail = int(m.group(1)), (" " + m.group(2).strip()).rstrip()
+    return ("warn" if n else "pass"), (f"sleep {n}{tail} on {source}: " + (
+        f"the system sleeps after {n} idle minute(s)" if n else "never sleeps when idle")), flag
+
+
+def wired_limit_mb(sysctl: object) -> int | None:
+    """`sysctl -n iogpu.wired_limit_mb` (or without -n: `iogpu.wired_limit_mb: 0`): 0 is the default."""
+    m = re.search(r"(?:^|:)\s*(\d+)\s*$", sysctl if isinstance(sysctl, str) else "")
+    return int(m.group(1)) if m else None

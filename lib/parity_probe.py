@@ -1,10 +1,6 @@
-"""The host side of check-parity: one self-contained probe that prints one JSON object of facts.
-
-lib/parity.py's PROBE_SH runs this source as `<PYTHON> -c <source> '<params json>'` (one ssh call per
-host), or under the host's python3 with `--fallback <why>` when PYTHON is missing or crashes. Standard
-library only, Python >= 3.8 (macOS's /usr/bin/python3 is 3.9); it only reads. calibrate reuses
-probe_memory(). Local use, a debugging aid:
-    python lib/parity_probe.py '{"remote_root": "/Users/op/thunder-runbook", "parts": ["runtime"]}'
+"""The host side of check-parity: one self-contained probe (standard library only) that prints one
+JSON object of facts; it only reads. lib/parity.py's PROBE_SH runs it as `PYTHON -c <source> '<params>'`.
+Example, by hand: python lib/parity_probe.py '{"remote_root": "/Users/op/thunder-runbook", "parts": ["runtime"]}'
 """
 
 from __future__ import annotations
@@ -23,16 +19,12 @@ CMD_TIMEOUT = 8  # seconds, for each macOS tool
 
 
 def sha256_file(path):
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def iter_files(root, parts):
-    """lib.hashing.iter_files's rule (a test keeps them in step): sorted relative paths of the
-    files under each part, hidden files and __pycache__ skipped."""
+    """lib.hashing.iter_files's rule (a test keeps them in step): hidden files and __pycache__ skipped."""
     out = set()
     for part in parts:
         if os.path.isfile(os.path.join(root, part)):
@@ -58,30 +50,23 @@ def marker_env():
             "python_version": ".".join(platform.python_version_tuple()[:2]), "sys_platform": sys.platform}
 
 
-def probe_python(want, fallback, why):
-    exists = bool(want) and os.path.exists(want)
-    return {"requested": want, "exists": exists, "realpath": os.path.realpath(want) if exists else None,
-            "fallback": fallback, "why": why[-600:], "version": platform.python_version(), "prefix": sys.prefix}
-
-
 def installed_dists():
-    """{normalized name: version} of every distribution on sys.path; the first one wins, as for import."""
+    """{normalized name: version} of the distributions on sys.path; the first wins, as for import."""
     from importlib import metadata
 
-    dists = {}
-    for d in metadata.distributions():
-        dists.setdefault(re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower(), d.version)
-    return dists
+    return {re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower(): d.version
+            for d in reversed(list(metadata.distributions()))}
 
 
 def probe_mlx():
-    """Import mlx.core from the interpreter under test and compute one small op."""
+    """Import mlx.core from the interpreter under test, compute one small op, read Metal's working set."""
     t0 = time.monotonic()
     import mlx.core as mx
 
     value = (mx.array([1.0, 2.0, 3.0]) * 2).sum().item()
     return {"ok": abs(value - 12.0) < 1e-6, "version": getattr(mx, "__version__", None), "result": value,
             "file": getattr(mx, "__file__", None), "device": str(mx.default_device()),
+            "working_set": mx.device_info().get("max_recommended_working_set_size"),
             "seconds": round(time.monotonic() - t0, 3)}
 
 
@@ -96,8 +81,7 @@ def probe_files(base, parts, deep):
 
 
 def probe_root(root):
-    """Free disk at REMOTE_ROOT (or its nearest existing parent) and whether this ssh session
-    may list it: macOS privacy protection (TCC) refuses with EPERM, file modes with EACCES."""
+    """Free disk at REMOTE_ROOT (or its nearest parent) and whether this session may list it (TCC: EPERM)."""
     path = root
     while path != os.path.dirname(path) and not os.path.exists(path):
         path = os.path.dirname(path)
@@ -138,10 +122,8 @@ def probe_ips(ips):
 
 
 def probe_link(peers, enough_ms, port=22, timeout=1.0, tries=7):
-    """Round trip to each peer IP: the minimum TCP handshake time to `port` over up to `tries`
-    (the peer's kernel answers; the rest is this host's scheduling). A refused connection is an
-    answer too. After two handshakes under `enough_ms` the rest are skipped: each accepted one
-    makes the peer's sshd start a process. A dead peer costs one timeout."""
+    """Round trip to each peer IP: the fastest of up to `tries` TCP handshakes to `port` (refused is an
+    answer too); two under `enough_ms` end it (each accepted one starts a peer sshd process)."""
     out = {}
     for ip in peers:
         best, err, n = None, None, 0
@@ -171,9 +153,10 @@ def run(argv):
 
 
 def probe_macos(want_rdma):
-    """Raw output of the macOS network tools; lib/parity.py parses it on the orchestrator."""
+    """Raw output of the macOS tools; lib/parity.py parses it on the orchestrator."""
     cmds = {"networksetup": ["networksetup", "-listallhardwareports"], "ifconfig": ["ifconfig"],
-            "system_profiler": ["system_profiler", "SPThunderboltDataType", "-json"]}
+            "system_profiler": ["system_profiler", "SPThunderboltDataType", "-json"], "pmset": ["pmset", "-g"],
+            "pmset_ps": ["pmset", "-g", "ps"], "wired_limit": ["sysctl", "-n", "iogpu.wired_limit_mb"]}
     if want_rdma:
         cmds["ibv_devices"] = ["ibv_devices"]
     return {key: guard(run, argv) for key, argv in cmds.items()}
@@ -188,17 +171,15 @@ def guard(fn, *args):
 
 
 def main(argv):
-    t0 = time.monotonic()
-    p = json.loads(argv[1]) if len(argv) > 1 else {}
-    fallback = len(argv) > 2 and argv[2] == "--fallback"
+    t0, p = time.monotonic(), json.loads(argv[1]) if len(argv) > 1 else {}
     root, parts = p.get("remote_root") or "/", p.get("parts") or ["runtime", "content"]
-    res = {"probe_version": 2, "system": platform.system(), "marker_env": marker_env(),
-           "python": probe_python(p.get("python") or "", fallback, argv[3] if len(argv) > 3 else ""),
-           "disk": guard(probe_root, root), "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
+    res = {"probe_version": 3, "system": platform.system(), "marker_env": marker_env(),
+           "python": {"requested": p.get("python") or sys.executable, "version": platform.python_version(),
+                      "realpath": os.path.realpath(p.get("python") or sys.executable)}, "disk": guard(probe_root, root),
+           "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
     if "runtime" in parts:
-        if not fallback:
-            res.update(packages=guard(installed_dists), mlx=guard(probe_mlx))
-        res.update(memory=guard(probe_memory), ips=guard(probe_ips, p.get("own_ips", [])),
+        res.update(packages=guard(installed_dists), mlx=guard(probe_mlx), memory=guard(probe_memory),
+                   ips=guard(probe_ips, p.get("own_ips", [])),
                    link=guard(probe_link, p.get("peers", []), float(p.get("link_enough_ms", 0.5))))
         if sys.platform == "darwin":
             res["macos"] = probe_macos(bool(p.get("rdma")))
