@@ -2,25 +2,14 @@
 """model: fetch a model from the Hugging Face Hub into MODEL, recording where it came from.
 
 Usage:
-    python bin/model.py --repo ORG/NAME --out DIR [--revision REV] [--quantize 4|8]
-                        [--group-size N] [--replace]
+    python bin/model.py --repo ORG/NAME --out DIR [--revision REV] [--quantize 4|8] [--group-size N] [--replace]
 
 Example:
-    .venv/bin/python bin/model.py --repo google/gemma-4-E2B-it --out models/gemma-4-e2b
     make model HF_REPO=mlx-community/gemma-4-e2b-it-4bit MODEL=models/gemma-4-e2b-4bit
 
-The revision (default main: a branch, tag or commit) is resolved to its commit first, and the
-download and the record are pinned to that commit. huggingface_hub's snapshot_download fetches
-the files mlx-lm itself fetches into the Hugging Face cache; they are copied into a temporary
-sibling of DIR as they are, or quantized on this machine with mlx-lm's own convert (affine,
---group-size, default 64). DIR/provenance.json records the repo, revision, commit, every file's
-sha256, the quantization (bits and group size, or null) and the versions of mlx, mlx_lm and
-huggingface_hub; then the folder is swapped in whole. With HF_HUB_OFFLINE=1 it works from a
-populated cache (HF_HOME / HF_HUB_CACHE).
-
-DIR is never silently replaced: the same repo, commit and quantization with the bytes its
-provenance.json records is a no-op that says so; anything else is refused, naming what is
-there, unless --replace (make model ... REPLACE=1).
+The revision is pinned to its commit; the files mlx-lm fetches are copied (or quantized with mlx-lm's
+convert) and DIR/provenance.json records repo, commit, every file's sha256, quantization and tool versions.
+HF_HUB_OFFLINE=1 works from the cache. The same model again is a no-op; another is refused unless --replace.
 """
 
 from __future__ import annotations
@@ -30,7 +19,6 @@ import contextlib
 import json
 import shutil
 import sys
-import time
 from importlib.metadata import version as pkg_version
 from pathlib import Path
 
@@ -45,7 +33,7 @@ TOOLS = {"mlx": "mlx", "mlx_lm": "mlx-lm", "huggingface_hub": "huggingface_hub"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Fetch a model from the Hugging Face Hub into a folder, with provenance.")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     p.add_argument("--repo", required=True, help="Hugging Face repository id, e.g. google/gemma-4-E2B-it")
     p.add_argument("--out", required=True, type=Path, help="the model folder to write (MODEL)")
     p.add_argument("--revision", default="main", help="branch, tag or commit (default main)")
@@ -55,35 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def hub_error(what: str, e: Exception) -> RunbookError:
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return RunbookError(
-        f"{what}: {type(e).__name__}: {first}; check the repository id and revision on huggingface.co "
-        "(a gated model: accept its licence there and run `hf auth login`); with HF_HUB_OFFLINE=1 the "
-        "Hugging Face cache (HF_HOME) must already hold it: fetch once where the Hub is reachable", ANCHOR)
-
-
-def resolve(repo: str, revision: str) -> str:
-    """The commit a branch or tag points to now (offline: the one the cache's refs/ recorded)."""
-    from huggingface_hub import HfApi, constants
+def hub(what: str, call, *args, **kw):
+    """call(*args, **kw) into huggingface_hub; its failure as a RunbookError that names the fix."""
     from huggingface_hub.errors import HfHubHTTPError, RevisionResolutionError
 
     try:
-        return HfApi().resolve_revision(repo, revision=revision, local_files_only=constants.HF_HUB_OFFLINE).resolved
+        return call(*args, **kw)
     except (HfHubHTTPError, RevisionResolutionError, OSError, ValueError) as e:
-        raise hub_error(f"cannot resolve {repo}@{revision}", e) from e
-
-
-def fetch(repo: str, commit: str) -> Path:
-    """The cache's snapshot folder of repo@commit with mlx-lm's files, downloaded if missing."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError
-    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
-
-    try:
-        return Path(snapshot_download(repo, revision=commit, allow_patterns=DEFAULT_ALLOW_PATTERNS))
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise hub_error(f"cannot fetch {repo}@{commit[:12]}", e) from e
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RunbookError(
+            f"{what}: {type(e).__name__}: {first}; check the repository id and revision on huggingface.co "
+            "(a gated model: accept its licence there and run `hf auth login`); with HF_HUB_OFFLINE=1 the "
+            "Hugging Face cache (HF_HOME) must already hold it: fetch once where the Hub is reachable", ANCHOR) from e
 
 
 def hashes(folder: Path) -> dict[str, str]:
@@ -119,25 +90,17 @@ def already_there(out: Path, repo: str, commit: str, quant: dict | None) -> bool
     return True
 
 
-def quantize(snapshot: Path, dest: Path, bits: int, group_size: int) -> None:
-    """mlx-lm's own convert of the snapshot into dest (which must not exist yet)."""
-    from mlx_lm import convert
-
-    config = json.loads((snapshot / "config.json").read_text(encoding="utf-8"))
-    if "quantization" in config or "quantization" in config.get("text_config", {}):
-        raise RunbookError(f"the repository is already quantized ({config.get('quantization')}): drop "
-                           "QUANTIZE (--quantize), or fetch its bf16 original and quantize that", ANCHOR)
-    with contextlib.redirect_stdout(sys.stderr):  # convert's [INFO] lines; stdout is our one event line
-        convert(hf_path=str(snapshot), mlx_path=str(dest), quantize=True, q_bits=bits, q_group_size=group_size)
-
-
-def build(snapshot: Path, tmp: Path, args: argparse.Namespace) -> None:
-    """Fill tmp: the snapshot's files as they are, or quantized."""
+def build(snapshot: Path, tmp: Path, args: argparse.Namespace, config: dict) -> None:
+    """Fill tmp: the snapshot's files as they are, or quantized by mlx-lm's own convert."""
     if args.quantize:
-        quantize(snapshot, tmp / "converted", args.quantize, args.group_size)
-        for p in (tmp / "converted").iterdir():
-            p.rename(tmp / p.name)
-        (tmp / "converted").rmdir()
+        from mlx_lm import convert
+        if "quantization" in config or "quantization" in config.get("text_config", {}):
+            raise RunbookError(f"the repository is already quantized ({config.get('quantization')}): drop "
+                               "QUANTIZE (--quantize), or fetch its bf16 original and quantize that", ANCHOR)
+        tmp.rmdir()  # convert writes a folder that does not exist yet
+        with contextlib.redirect_stdout(sys.stderr):  # convert's [INFO] lines; stdout is our one event line
+            convert(hf_path=str(snapshot), mlx_path=str(tmp), quantize=True, q_bits=args.quantize,
+                    q_group_size=args.group_size)
         return
     for src in sorted(p for p in snapshot.rglob("*") if p.is_file()):
         dest = tmp / src.relative_to(snapshot)
@@ -147,23 +110,26 @@ def build(snapshot: Path, tmp: Path, args: argparse.Namespace) -> None:
 
 def main() -> int:
     args = build_parser().parse_args()
-    t0 = time.monotonic()
+    from huggingface_hub import HfApi, constants, snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
     quant = {"bits": args.quantize, "group_size": args.group_size, "mode": "affine", "by": "mlx_lm.convert"} \
         if args.quantize else None
-    try:
-        commit = resolve(args.repo, args.revision)
+    try:  # the commit a branch or tag points to now (offline: the one the cache's refs/ recorded)
+        commit = hub(f"cannot resolve {args.repo}@{args.revision}", HfApi().resolve_revision, args.repo,
+                     revision=args.revision, local_files_only=constants.HF_HUB_OFFLINE).resolved
         if not args.replace and already_there(args.out, args.repo, commit, quant):
             event("model", status="unchanged", repo=args.repo, revision=args.revision, commit=commit,
                   out=paths.rel(args.out), note="same repo, commit, quantization and bytes: nothing to do")
             return 0
-        snapshot = fetch(args.repo, commit)
+        snapshot = Path(hub(f"cannot fetch {args.repo}@{commit[:12]}", snapshot_download, args.repo, revision=commit,
+                            allow_patterns=DEFAULT_ALLOW_PATTERNS))  # the cache's folder, with mlx-lm's files
         if not (snapshot / "config.json").is_file() or not list(snapshot.glob("model*.safetensors")):
             raise RunbookError(f"{args.repo}@{commit[:12]} has no config.json and model*.safetensors: "
                                "not a model mlx-lm loads (safetensors only)", ANCHOR)
+        config = json.loads((snapshot / "config.json").read_text(encoding="utf-8"))
         with atomic.atomic_dir(args.out) as tmp:
-            build(snapshot, tmp, args)
+            build(snapshot, tmp, args, config)
             files = hashes(tmp)
-            config = json.loads((snapshot / "config.json").read_text(encoding="utf-8"))
             atomic.write_json(tmp / "provenance.json", {
                 "fetched_by": "bin/model.py", "repo": args.repo, "revision": args.revision, "commit": commit,
                 "quantization": quant, "repo_quantization": config.get("quantization"),
@@ -175,9 +141,8 @@ def main() -> int:
         return die(RunbookError(f"cannot write {args.out}: {e}; check the folder is writable and the disk has "
                                 "room for the model twice (the cache and MODEL)", ANCHOR))
     event("model", status="fetched", repo=args.repo, revision=args.revision, commit=commit,
-          quantize=args.quantize or "none", files=len(files),
-          bytes=sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file()),
-          out=paths.rel(args.out), seconds=round(time.monotonic() - t0, 2))
+          quantize=args.quantize or "none", files=len(files), out=paths.rel(args.out),
+          bytes=sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file()))
     return 0
 
 
