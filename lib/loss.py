@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from lib.log import OTHER_FAILURES, RunbookError
 
@@ -68,13 +69,13 @@ def parts(model) -> tuple:
     tied = lm.args.tie_word_embeddings if tied is None else tied
     head = lm.model.embed_tokens if tied else lm.lm_head
     name = "model.embed_tokens (tied)" if tied else "lm_head"
-    if type(head) not in HEADS or "bias" in head:
-        raise RunbookError(f"loss: chunked needs a plain or quantized head without bias, but {name} is "
-                           f"{type(head).__name__}: set `loss: default` in the run config", ANCHOR)
-    if head.trainable_parameters():
+    if tree_flatten(head.trainable_parameters()):
         raise RunbookError(f"loss: chunked computes no gradient for the output head, but {name} is trainable "
                            "(full fine-tuning, or LoRA keys naming the head): freeze it (LoRA) or set "
                            "`loss: default` in the run config", ANCHOR)
+    if type(head) not in HEADS or "bias" in head:
+        raise RunbookError(f"loss: chunked needs a plain or quantized head without bias, but {name} is "
+                           f"{type(head).__name__}: set `loss: default` in the run config", ANCHOR)
     return lm.model, head, getattr(lm, "final_logit_softcapping", None)
 
 

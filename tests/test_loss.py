@@ -7,6 +7,7 @@ applied as `mlx_lm lora` applies it (freeze, then linear_to_lora_layers).
 
 from __future__ import annotations
 
+import json
 from functools import partial
 
 import mlx.core as mx
@@ -14,7 +15,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import pytest
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models import llama
+from mlx_lm.models import gemma4, llama
+from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.trainer import default_loss, grad_checkpoint
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import load
@@ -63,7 +65,7 @@ def batch_of(vocab: int, prompts: bool, seed: int = 0):
     lengths = [33, 20, 27]
     ids = ids * (mx.arange(33)[None] < mx.array(lengths)[:, None])
     offsets = [5, 12, 1] if prompts else [0, 0, 0]
-    return ids, mx.array(list(zip(offsets, lengths)))
+    return ids, mx.array(list(zip(offsets, lengths, strict=True)))
 
 
 def assert_trees_close(a, b, atol: float, rel: float = 0.0):
@@ -111,6 +113,15 @@ def test_llama_and_quantized_heads(root, tied, quantized):
     check_same_loss(gemma(root, quantized=True), batch_of(3072, prompts=True))
 
 
+def test_gemma4_multimodal_wrapper(root):
+    """The released E2B checkpoint loads as mlx-lm's `gemma4` wrapper: its language_model is used."""
+    config = json.loads((root / "models" / "tiny-gemma4" / "config.json").read_text())
+    mx.random.seed(4)
+    model = with_lora(gemma4.Model(gemma4.ModelArgs(model_type="gemma4", text_config=config, vocab_size=3072)))
+    assert L.parts(model)[0] is model.language_model.model and L.parts(model)[2] == 30.0
+    check_same_loss(model, batch_of(3072, prompts=True))
+
+
 def train(model, loss, steps: int, compiled: bool, accum: int = 1):
     """mlx-lm's training step (trainer.py train(), as bin/train.py runs it): value_and_grad of
     the loss, gradient accumulation, Adam; compiled with the model and optimizer state. (At a
@@ -156,7 +167,7 @@ def test_adapter_after_5_steps_equals_default_loss(root, compiled, accum, checkp
             type(model.layers[0]).__call__ = layer_call
     assert want_losses[-1] < want_losses[0] - 0.1  # it trained: the adapter moved 20x the tolerance
     moved = max(mx.abs(a - b).max().item() for (_, a), (_, b) in
-                zip(tree_flatten(want), tree_flatten(gemma(root).trainable_parameters())))
+                zip(tree_flatten(want), tree_flatten(gemma(root).trainable_parameters()), strict=True))
     assert moved > 2e-3
     assert got_losses == pytest.approx(want_losses, rel=1e-5)
     assert_trees_close(want, got, atol=1e-4)
@@ -196,6 +207,10 @@ def test_refuses_a_trainable_head_and_other_models(root):
     with pytest.raises(RunbookError, match=r"model.embed_tokens \(tied\) is trainable.*see RUNBOOK.md#run-configs"):
         L.make_loss()(model, *batch_of(3072, prompts=False))
     assert not L.supported(model)
+    model = tiny_llama(tied=False)
+    model.lm_head = LoRALinear.from_base(model.lm_head, r=4)  # LoRA on the head
+    with pytest.raises(RunbookError, match=r"lm_head is trainable"):
+        L.parts(model)
     assert not L.supported(nn.Linear(4, 4))
     with pytest.raises(RunbookError, match=r"not mlx.nn.layers.linear.Linear: set `loss: default`"):
         L.parts(nn.Linear(4, 4))
