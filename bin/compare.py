@@ -96,8 +96,7 @@ def reproduce_commands(run_dir: Path) -> dict[str, dict]:
 
 def finite(x) -> float | None:
     """A JSON-safe number: None for missing, NaN and inf."""
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-    return float(x) if ok else None
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
 
 
 def ppl_of(loss: float | None) -> float | None:
@@ -115,10 +114,10 @@ def throughput(mets: list[dict]) -> dict:
             launches, last_wall = launches + 1, wall
             continue
         last_wall, tokens, seconds, n = wall or last_wall, tokens + m["tokens"], seconds + m["step_s"], n + 1
-    if n and seconds > 0:
-        return {"tok_per_s": tokens / seconds, "method": f"step events: {int(tokens)} tokens / {seconds:.3f} s "
-                f"over {n} steps (first step of {launches} launch(es) left out: compile)"}
-    return {"tok_per_s": None, "method": "no step events with tokens and step_s in metrics.jsonl"}
+    if not (n and seconds > 0):
+        return {"tok_per_s": None, "method": "no step events with tokens and step_s in metrics.jsonl"}
+    return {"tok_per_s": tokens / seconds, "method": f"step events: {int(tokens)} tokens / {seconds:.3f} s over "
+            f"{n} steps (first step of {launches} launch(es) left out: compile)"}
 
 
 def curve(mets: list[dict], kind: str, key: str = "loss") -> list[tuple[int, float]]:
@@ -144,21 +143,21 @@ def run_facts(role: str, run_id: str, summary_name: str) -> dict:
     trains, tests, tp = [m for m in mets if m.get("kind") == "train"], curve(mets, "test"), throughput(mets)
     hostfile = man.get("hostfile") if isinstance(man.get("hostfile"), dict) else {}
     hosts = [h.get("ssh") for h in hostfile.get("hosts", [])]
-    world = summary.get("world_size") or man.get("world_size") or len(hosts) or None
-    accum = int(cfg.get("grad_accumulation_steps") or 1)
+    world, accum = summary.get("world_size") or man.get("world_size") or len(hosts), cfg.get("grad_accumulation_steps")
     peak = [m["peak_mem_gb"] for m in mets if finite(m.get("peak_mem_gb")) is not None]
     return {
         "role": role, "run": run_id, "dir": paths.rel(run_dir), "stage": summary_name.removesuffix(".json"),
         "ok": bool(summary.get("ok")), "category": summary.get("category"), "why": summary.get("why") or "",
         "world_size": int(world) if world else None, "hosts": hosts, "hostfile_path": man.get("hostfile_path"),
-        "hostfile": hostfile, **{k: man.get(k) for k in ("lock_sha256", "dataset", "dataset_sha256", "model",
-                                                         "model_sha256", "control_of", "control_run")},
-        "git": man.get("git") or {}, "config": cfg, "config_source": paths.rel(ac) if cfg else "none", "seed": cfg.get("seed"),
-        "batch_size": cfg.get("batch_size"), "grad_accumulation_steps": accum,
-        "global_batch": int(cfg["batch_size"]) * accum if cfg.get("batch_size") else None,
-        "adapter": paths.rel(adapter) if (adapter / "adapters.safetensors").is_file() and
-        (adapter / "adapter_config.json").is_file() else None, "metrics": mets,
-        "tok_per_s": finite(tp["tok_per_s"]), "tok_per_s_method": tp["method"],
+        "hostfile": hostfile, "git": man.get("git") or {}, **{k: man.get(k) for k in (
+            "lock_sha256", "dataset", "dataset_sha256", "model", "model_sha256", "control_of", "control_run",
+            "corpus", "corpus_sha256", "export_settings")},
+        "config": cfg, "config_source": paths.rel(ac) if cfg else "none", "seed": cfg.get("seed"),
+        "batch_size": cfg.get("batch_size"), "grad_accumulation_steps": int(accum or 1),
+        "global_batch": int(cfg["batch_size"]) * int(accum or 1) if cfg.get("batch_size") else None,
+        "adapter": paths.rel(adapter) if all((adapter / f).is_file() for f in (
+            "adapters.safetensors", "adapter_config.json")) else None, "best_adapter": summary.get("best_adapter"),
+        "metrics": mets, "tok_per_s": finite(tp["tok_per_s"]), "tok_per_s_method": tp["method"],
         "final_step": summary.get("final_step") or (trains[-1]["step"] if trains else None),
         "trained_tokens": trains[-1].get("trained_tokens") if trains else None,
         "peak_mem_gb": max(peak) if peak else None, "stage_wall_s": finite(summary.get("wall_s")),
@@ -169,24 +168,6 @@ def run_facts(role: str, run_id: str, summary_name: str) -> dict:
         "trainer_test_loss": finite(summary.get("test_loss")) or (tests[-1][1] if tests else None),
         "reproduce": reproduce_commands(run_dir),
     }
-
-
-def export_provenance(dataset: str | None, dual: dict) -> dict:
-    """The export that made the dataset: its command (the run's reproduce.sh, else the dataset manifest's, else
-    rebuilt from the corpus files), corpus files with sha256, corpus sha256 and export settings. Read from
-    datasets/<D>/manifest.json defensively: `corpus` (files, sha256, settings) or the older `sources`."""
-    try:
-        man = read_json(paths.DATASETS / str(dataset) / "manifest.json", "")
-    except RunbookError:
-        man = {}
-    corpus = man.get("corpus") if isinstance(man.get("corpus"), dict) else {"files": man.get("corpus")}
-    files = [f for f in (corpus.get("files") or man.get("sources") or []) if isinstance(f, dict)]
-    cmd = (dual["reproduce"].get("export") or {}).get("make") or corpus.get("command") or man.get("export_command")
-    if not cmd and files:
-        cmd = ["make", "export", "CORPUS=" + " ".join(str(f.get("path")) for f in files), f"DATASET={dataset}"]
-    return {"command": shlex.join(cmd) if isinstance(cmd, list) else cmd, "corpus": files,
-            "corpus_sha256": corpus.get("sha256") or man.get("corpus_sha256"),
-            "settings": corpus.get("settings") or man.get("export_settings") or man.get("settings") or {}}
 
 
 # ---- comparability ------------------------------------------------------------------------------
@@ -242,10 +223,10 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
     v = dict(verdict=PASS, ok=True, category=None, anchor=None, reasons=[], exit_code=0, loss_ok=None, faster=None,
              beats_base=None, base_gain=None, relative_loss_diff=None, speedup=None, scaling_efficiency=None)
     dt, ct = dual.get("tok_per_s"), control.get("tok_per_s")
+    dl, cl, bl = (losses.get(k) for k in ("dual", "control", "base"))
     if dt and ct:
         v["speedup"] = dt / ct
         v["scaling_efficiency"] = v["speedup"] * (control.get("world_size") or 1) / (dual.get("world_size") or 1)
-    dl, cl, bl = (losses.get(k) for k in ("dual", "control", "base"))
     if finite(dl) is not None and (finite(cl) or 0) > 0:
         v["relative_loss_diff"] = (dl - cl) / cl
     if finite(dl) is not None and (finite(bl) or 0) > 0:
@@ -267,21 +248,19 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
         problems = problems + [f"the base model's test loss is {bl}: check the model folder"]
     elif finite(bl) is not None and finite(dl) is not None:
         v["beats_base"] = dl < bl * (1 - min_gain)
-        if not v["beats_base"]:
-            return fail(WORSE, WORSE, f"the dual adapter's test loss {dl:.4f} is not below the base model's {bl:.4f} "
-                        f"by {100 * min_gain:g}% or more (gain {100 * v['base_gain']:+.2f}%; control {cl}): "
-                        "training made the model worse: check learning_rate, iters, the data, mask_prompt")
+    if v["beats_base"] is False:
+        return fail(WORSE, WORSE, f"the dual adapter's test loss {dl:.4f} is not below the base model's {bl:.4f} by "
+                    f"{100 * min_gain:g}% or more (the control's: {fmt(finite(cl))}): training made the model worse; "
+                    "check learning_rate, iters, the data and mask_prompt")
     if not control.get("ok"):
         problems = problems + [f"the control run failed ({control.get('category') or 'no category'}: "
                                f"{control.get('why') or 'no reason recorded'}): fix it and re-run `make control`"]
-    if not problems and (missing := [k for k in ("dual", "control") if losses.get(k) is None]):
-        problems = [f"no test loss for the {' and '.join(missing)} adapter: its run folder has no "
-                    "adapters/adapters.safetensors; re-run its stage"]
-    if not problems and finite(cl) is None:
-        problems = [f"the control adapter's test loss is {cl}: re-run `make control`"]
-    if not problems and not (dt and ct):
-        problems = ["no throughput in metrics.jsonl of " + " and ".join(
-            r["run"] for r in (dual, control) if not r.get("tok_per_s")) + ": re-run that stage with this trainer"]
+    missing = [f"the {k} adapter's test loss is {losses.get(k)}" for k in ("dual", "control") if finite(losses.get(k)) is None]
+    slow = [r["run"] for r in (dual, control) if not r.get("tok_per_s")]
+    if not problems and missing:
+        problems = [f"{' and '.join(missing)}: no adapters/adapters.safetensors or bad weights; re-run its stage"]
+    if not problems and slow:
+        problems = [f"no throughput in metrics.jsonl of {' and '.join(slow)}: re-run that stage with this trainer"]
     if problems:
         v["reasons"] += problems[:-1]
         return fail(NOT_COMPARABLE, None, problems[-1], code=2, anchor=ANCHOR_NOT_COMPARABLE)
@@ -294,7 +273,7 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
         v["reasons"].append(f"the dual run was not faster: {dt:.1f} vs {ct:.1f} tok/s (speedup {v['speedup']:.2f}x{need})")
     if v["reasons"]:
         return fail(THUNDER, THUNDER_CATEGORY, v["reasons"].pop())
-    gain = f", {100 * v['base_gain']:+.2f}% below the base model's" if v["base_gain"] is not None else ""
+    gain = f", {100 * v['base_gain']:.2f}% below the base model's {bl:.4f}" if v["base_gain"] is not None else ""
     v["reasons"].append(f"dual test loss {dl:.4f} vs control {cl:.4f} ({100 * rel:+.2f}%, tolerance "
                         f"{100 * tolerance:g}%){gain}, speedup {v['speedup']:.2f}x{need}")
     if rel < -tolerance:
@@ -408,7 +387,8 @@ def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v
         "provenance": {**{k: dual[k] for k in ("dataset", "dataset_sha256", "model", "model_sha256")},
                        **{k: {r["role"]: r[k] for r in (dual, control)} for k in ("git", "lock_sha256")},
                        "hostfile": {r["role"]: {"path": r["hostfile_path"], "hosts": r["hostfile"]} for r in (dual, control)}},
-        "export": export_provenance(dual["dataset"], dual),
+        "export": {"lines": launch.export_section(dual["dataset"]) if dual["dataset"] else [],
+                   **{k: dual[k] for k in ("corpus", "corpus_sha256", "export_settings")}},
         "evaluation": ev and {**{k: x for k, x in ev.items() if k != "models"}, "models": rows,
                               "split": f"datasets/{dual['dataset']}/test.jsonl"},
         "runs": {r["role"]: {k: x for k, x in r.items() if k not in ("metrics", "config", "hostfile")}
@@ -437,13 +417,11 @@ def render_md(rep: dict) -> str:
         f" (see RUNBOOK.md#{rep['anchor']})" if rep["anchor"] else ""
     L = [f"# Promotion report: `{rep['run']}` vs control `{rep['control_run']}`", "", f"**Verdict: {rep['verdict']}**{see}",
          "", *[f"- {r}" for r in rep["reasons"]], "", "## Reproduce", "",
-         f"Data: corpus sha256 `{ex['corpus_sha256']}`; files: " + (", ".join(
-             f"`{f.get('path')}` (sha256 `{f.get('sha256')}`)" for f in ex["corpus"]) or "not recorded") +
-         f"; export settings: `{json.dumps(ex['settings'], sort_keys=True)}`.", "", "```bash",
-         ex["command"] or f"# no export command recorded in datasets/{d['dataset']}/manifest.json"]
-    L += list(dict.fromkeys(x["make"] for r in (d, c) for st, x in r["reproduce"].items() if x["make"] and st not in (
-        "export", "compare"))) + [rep["reproduce_compare"], "```", "", "What those ran underneath:", "", "```bash"]
-    L += list(dict.fromkeys(line for r in (d, c) for x in r["reproduce"].values() for line in x["ran"])) + ["```", ""]
+         "From the repo root on Mac1: the export that made the dataset, then each stage.", "", "```bash", *ex["lines"]]
+    stages = [x for r in (d, c) for st, x in r["reproduce"].items() if st not in ("export", "compare")]
+    L += list(dict.fromkeys(x["make"] for x in stages if x["make"])) + [rep["reproduce_compare"], "```", "",
+                                                                        "What those ran underneath:", "", "```bash"]
+    L += list(dict.fromkeys(line for x in stages for line in x["ran"])) + ["```", ""]
     m = (ev or {}).get("models", {})
     L += ["## Metrics", "", f"Test split `{ev['split']}`: {ev['records']} records, {ev['batches']} batches of "
           f"{ev['batch_size']}, {ev['tokens']} target tokens, seed {ev['seed']}; the same batches for all three "
@@ -459,12 +437,15 @@ def render_md(rep: dict) -> str:
           f"scaling efficiency (speedup / {tp['world_size_ratio']:g}): **{fmt(tp['scaling_efficiency'], '.2f')}**.",
           f"- Dual vs control test loss: {fmt(lo['relative_diff'] and 100 * lo['relative_diff'], '+.2f')}% (tolerance "
           f"{100 * rep['tolerance']:g}%); dual vs base: {fmt(lo['base_gain'] and -100 * lo['base_gain'], '+.2f')}% "
-          f"(required at most {-100 * rep['min_gain']:g}%, below 0).", "", "| | dual | control |", "| --- | --- | --- |"]
+          f"(MIN_GAIN {100 * rep['min_gain']:g}%: it must be lower than the base by that much).", "",
+          "| | dual | control |", "| --- | --- | --- |"]
     for key in ("run", "world_size", "hosts", "hostfile_path", "dataset", "dataset_sha256", "model", "model_sha256",
                 "git", "lock_sha256", "seed", "global_batch", "config_source", "ok", "final_step", "trained_tokens",
                 "tok_per_s_method", "stage_wall_s", "peak_mem_gb", "checkpoints_written", "checkpoints_kept",
-                "trainer_test_loss"):
-        L.append(f"| {key} | {fmt(d[key], '')} | {fmt(c[key], '')} |")
+                "trainer_test_loss", "best_adapter"):
+        cells = [f"{r[key].get('commit')}{' (dirty)' if r[key].get('dirty') else ''}" if key == "git" else
+                 fmt(r[key], "") for r in (d, c)]
+        L.append(f"| {key} | {cells[0]} | {cells[1]} |")
     L += ["", "## Comparability", ""] + [f"- {ch['name']}: {'same' if ch['ok'] else 'DIFFERS'} (dual `{ch['dual']}`, "
                                          f"control `{ch['control']}`)" for ch in rep["comparable"]["checks"]]
     L += [f"- {k[:-1]}: {p}" for k in ("problems", "warnings") for p in rep["comparable"][k]]
@@ -483,7 +464,7 @@ def check_args(args) -> None:
 
 
 def evaluate_runs(args, dual: dict, control: dict, comp: dict) -> dict | None:
-    """The three test losses when the runs are comparable; a batch or loss mismatch goes into comp."""
+    """The three test losses when the runs are comparable; different batches are a problem in comp."""
     if not comp["ok"]:
         return None
     ev = evaluate_models(dual["model"], {"control": control["adapter"], "dual": dual["adapter"]},
@@ -492,11 +473,6 @@ def evaluate_runs(args, dual: dict, control: dict, comp: dict) -> dict | None:
     if not ev["same_batches"]:
         comp["problems"].append("the three models did not see the same test batches: a bug in compare; report it")
         comp["ok"] = False
-    for r in (dual, control):
-        mine, theirs = ev["models"].get(r["role"], {}).get("loss"), r["trainer_test_loss"]
-        if finite(mine) is not None and theirs is not None and abs(mine - theirs) > 1e-3 * max(abs(theirs), 1e-9):
-            comp["warnings"].append(f"{r['run']}: compare's test loss {mine:.5f} differs from the trainer's own "
-                                    f"{theirs:.5f} (test_batches or batch size differ?)")
     return ev
 
 

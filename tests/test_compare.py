@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import pytest
 from conftest import PY, ROOT, make, run
 
 from lib import atomic, launch
-from lib.hashing import digest_of, tree_hashes
+from lib.hashing import digest_of, sha256_file, tree_hashes
 from lib.log import CATEGORIES, anchor_of
 
 spec = importlib.util.spec_from_file_location("compare", ROOT / "bin" / "compare.py")
@@ -117,7 +118,7 @@ REPORT_SCHEMA = {
         "batches": int, "tokens": int, "same_batches": bool, "load_s": NUM, "peak_mem_gb": NUM,
         "models": {"base": EVAL_MODEL, "control": EVAL_MODEL, "dual": EVAL_MODEL}}),
     "runs": {"dual": RUN_SCHEMA, "control": RUN_SCHEMA},
-    "export": {"command": STR_OR_NONE, "corpus": [dict], "corpus_sha256": STR_OR_NONE, "settings": dict},
+    "export": {"lines": [str], "corpus": ANY, "corpus_sha256": STR_OR_NONE, "export_settings": ANY},
     "reproduce_compare": str,
     "artifacts": {"report_md": str, "report_json": str, "loss_curves_png": str},
     "wall_s": NUM,
@@ -337,9 +338,15 @@ def world(tmp_path_factory):
     for name, part in splits.items():
         (ds / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     sha = digest_of(tree_hashes(ds, ["train.jsonl", "valid.jsonl", "test.jsonl"]))
-    atomic.write_json(ds / "manifest.json", {"dataset_sha256": sha, "records": {k: len(v) for k, v in splits.items()}})
+    # The corpus the dataset came from, recorded the way bin/export.py records it.
+    (ds / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    corpus = {"path": f"datasets/{tag}/corpus.jsonl", "sha256": sha256_file(ds / "corpus.jsonl")}
+    atomic.write_json(ds / "manifest.json", {"dataset_sha256": sha, "records": {k: len(v) for k, v in splits.items()},
+                                             "sources": [corpus], "corpus_sha256": digest_of({corpus["path"]: corpus["sha256"]}),
+                                             "settings": {"max_chars": 50000}})
     made = [ds]
-    yield {"tag": tag, "model": str(model), "dataset": tag, "dataset_sha256": sha, "made": made}
+    yield {"tag": tag, "model": str(model), "dataset": tag, "dataset_sha256": sha, "made": made,
+           "corpus_sha256": corpus["sha256"]}
     for p in made:
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
@@ -537,6 +544,10 @@ def test_end_to_end_pass_then_thunder_path(world, trained):
                    f"make train RUN={run_id} ", f"make control RUN={run_id} ", f"make compare RUN={run_id}",
                    f"{lo['dual']:.4f}", f"{lo['control']:.4f}", f"{lo['base']:.4f}", "loss_curves.png"):
         assert needle in md, needle
+    # It starts with how to reproduce the data: the export command with the corpus and its sha256.
+    export = shlex.join(["make", "export", f"CORPUS=datasets/{world['tag']}/corpus.jsonl", f"DATASET={world['dataset']}"])
+    assert export in md and md.index(export) < md.index(f"make train RUN={run_id} "), md[:3000]
+    assert rep["export"]["lines"][-1].startswith(export) and world["corpus_sha256"] in md
     png = (ROOT / "runs" / run_id / "compare" / "loss_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     repro = (ROOT / "runs" / run_id / "reproduce.sh").read_text()
