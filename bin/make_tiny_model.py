@@ -6,30 +6,15 @@ Usage:
         [--quantize 4|8] [--vocab-size N] [--dtype float32|bfloat16|float16] [--force]
 
 Example:
-    .venv/bin/python bin/make_tiny_model.py --arch gemma4 --seed 0 --out models/tiny-gemma4
-    .venv/bin/python bin/make_tiny_model.py --arch gemma4 --layout released --quantize 4 --out models/tiny-gemma4-released-q4
+    .venv/bin/python bin/make_tiny_model.py --arch gemma4 --layout released --quantize 4 --out models/tiny-q4
 
-DIR gets the Hugging Face layout `mlx_lm.utils.load` reads offline: config.json (the architecture
-at tiny sizes plus a `thunder_runbook` block), model.safetensors (every Linear and Embedding
-~ N(0, 0.02^2) from numpy seeded by (seed, sha256 of the tensor name); norms keep their init),
-tokenizer.json (byte-level BPE trained here on CPython's `pydoc_data.topics`, with the family's
-special tokens), tokenizer_config.json (the family's chat template), special_tokens_map.json and
-provenance.json (generator, layout, quantization, seed, versions, every file's sha256).
-
-gemma4 keeps Gemma 4 E2B's traits at toy sizes: sliding and full attention, KV-shared layers with
-double-wide MLPs, per-layer input embeddings, logit soft-capping, tied embeddings. --layout text
-is mlx-lm's `gemma4_text` (`model.*`); --layout released is Gemma 4's released checkpoint: the
-`gemma4` wrapper config (`text_config`, small `vision_config` and `audio_config`), the same text
-weights as `model.language_model.*` (same logits for the same seed) and small vision and audio
-towers (shape-only stand-ins) that mlx-lm's gemma4 sanitize() drops on load. --quantize runs
-mlx-lm's own quantize_model (what `mlx_lm convert -q` runs: affine, group size 64; layers whose
-input size 64 does not divide stay float) and writes `quantization` as mlx-lm does; the released
-form keeps its towers in float at the top level, as the Hub's MLX 4-bit Gemma 4 conversions do.
-
-Deterministic: the same seed, CPython and package versions give byte-identical files. The new
-folder is loaded back with mlx-lm and checked (finite logits, tokenizer round trip, the chat
-template's prompt a prefix of the conversation) before it replaces DIR atomically, and only
-when DIR is a model this script made (or with --force).
+DIR gets the Hugging Face layout mlx-lm loads offline: config.json, model.safetensors (Linear and
+Embedding ~ N(0, 0.02^2) seeded by (seed, sha256(name))), a byte-level BPE tokenizer trained here on
+`pydoc_data.topics` with the family's specials and chat template, and provenance.json. gemma4 keeps Gemma 4
+E2B's traits at toy sizes (sliding/full attention, KV sharing, per-layer inputs, soft-capping); --layout
+released is the `gemma4` wrapper (text weights under model.language_model.*, stand-in towers mlx-lm drops);
+--quantize runs mlx-lm's quantize_model. Same seed and versions, same bytes. The folder is loaded back and
+checked before it replaces DIR, and only a DIR this script made (or --force).
 """
 
 from __future__ import annotations
@@ -46,7 +31,6 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from importlib.metadata import version as pkg_version  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -79,9 +63,8 @@ SPLIT_PATTERN = (
 
 
 def chat_template(assistant: str, head: str, tail: str) -> str:
-    """A family's turn format in Jinja: `head` + content + `tail` per message (head sees `role`,
-    the assistant's named `assistant`); a system message only first, no other roles; content a
-    string or a list of text parts; add_generation_prompt opens the assistant's turn."""
+    """A family's turn format in Jinja: `head` + content + `tail` per message (head sees `role`, the
+    assistant's named `assistant`); a system message only first; add_generation_prompt opens the assistant's turn."""
     return (
         "{{- bos_token -}}\n"
         "{%- for message in messages -%}\n"
@@ -107,8 +90,7 @@ FAMILIES = {
     "gemma4": {
         "specials": ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"],
         "bos": "<bos>", "eos": "<eos>", "pad": "<pad>", "unk": "<unk>",
-        "turn_markers": ["<|turn>", "<turn|>"],
-        "stop": ["<eos>", "<turn|>"],  # config.json eos_token_id: generation stops at either
+        "turn_markers": ["<|turn>", "<turn|>"], "stop": ["<eos>", "<turn|>"],  # eos_token_id: stops at either
         # Gemma 4's format: <bos><|turn>system\n...<turn|>\n<|turn>user\n...<turn|>\n<|turn>model\n
         "chat_template": chat_template("model", "'<|turn>' + role + '\\n'", "'<turn|>\\n'"),
     },
@@ -126,54 +108,35 @@ FAMILIES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="Generate a tiny random model (gemma4_text or llama) with a local BPE tokenizer.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     p.add_argument("--arch", required=True, choices=sorted(FAMILIES))
     p.add_argument("--seed", type=int, default=0, help="weight init seed (default 0)")
     p.add_argument("--out", required=True, type=Path, help="model folder to (re)write")
     p.add_argument("--vocab-size", type=int, default=3072, help="BPE vocabulary incl. specials (default 3072)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--layout", default="text", choices=["text", "released"],
-                   help="gemma4 only: text (gemma4_text) or Gemma 4's released wrapper layout (default text)")
+    p.add_argument("--layout", default="text", choices=["text", "released"], help="gemma4: released = the wrapper")
     p.add_argument("--quantize", type=int, choices=[4, 8], help="bits: quantize with mlx-lm's quantize_model")
     p.add_argument("--force", action="store_true", help="replace --out even if this script did not make it")
     return p
 
 
 def model_config(arch: str, tok: dict, vocab: int, dtype: str, seed: int) -> dict:
-    ids = tok["ids"]
-    fam = FAMILIES[arch]
+    ids, fam = tok["ids"], FAMILIES[arch]
     common = {
-        "bos_token_id": ids[fam["bos"]],
-        "eos_token_id": [ids[t] for t in fam["stop"]],
-        "pad_token_id": ids[fam["pad"]],
-        "vocab_size": vocab,
-        "max_position_embeddings": MAX_POSITIONS,
-        "initializer_range": INIT_STD,
-        "torch_dtype": dtype,
-        "thunder_runbook": {
-            "generator": GENERATOR,
-            "generator_version": VERSION,
-            "arch": arch,
-            "seed": seed,
-            "note": "random weights for tests and the demo; not a trained model",
-        },
+        "bos_token_id": ids[fam["bos"]], "eos_token_id": [ids[t] for t in fam["stop"]], "pad_token_id": ids[fam["pad"]],
+        "vocab_size": vocab, "max_position_embeddings": MAX_POSITIONS, "initializer_range": INIT_STD, "torch_dtype": dtype,
+        "thunder_runbook": {"generator": GENERATOR, "generator_version": VERSION, "arch": arch, "seed": seed,
+                            "note": "random weights for tests and the demo; not a trained model"},
     }
     if arch == "gemma4":
         return {
-            **common,
-            "architectures": ["Gemma4ForCausalLM"],
-            "model_type": "gemma4_text",
-            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+            **common, "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "sliding_window": 64,
             # 2 sliding : 1 full; the last layer is full attention, as in Gemma 4
             "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
-            "sliding_window": 64, "num_attention_heads": 4, "num_key_value_heads": 1,
-            "head_dim": 16, "global_head_dim": 32,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 32,
             # the last 2 layers reuse the K/V of the last sliding and full layer before them
-            "num_kv_shared_layers": 2,
-            "use_double_wide_mlp": True,
+            "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
             "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": vocab,
             "rope_parameters": {
                 "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
@@ -183,28 +146,18 @@ def model_config(arch: str, tok: dict, vocab: int, dtype: str, seed: int) -> dic
             "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
         }
     return {
-        **common,
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
-    }
+        **common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 176, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": False}
 
 
 def training_text() -> tuple[list[str], str]:
     """The tokenizer's training text (pydoc topics, sorted) and its sha256."""
-    try:
-        from pydoc_data.topics import topics
-    except ImportError as e:
-        raise RunbookError(f"this Python ({sys.executable}) has no pydoc_data.topics ({e}); run with the "
-                           "project's .venv/bin/python", ANCHOR) from e
-    texts = [topics[k] for k in sorted(topics)]
-    h = hashlib.sha256()
-    for k in sorted(topics):
-        h.update(k.encode() + b"\0" + topics[k].encode() + b"\0")
-    return texts, h.hexdigest()
+    from pydoc_data.topics import topics  # ships with every CPython
+
+    h = hashlib.sha256(b"".join(k.encode() + b"\0" + topics[k].encode() + b"\0" for k in sorted(topics)))
+    return [topics[k] for k in sorted(topics)], h.hexdigest()
 
 
 def train_tokenizer(arch: str, vocab_size: int, texts: list[str]) -> dict:
@@ -220,12 +173,8 @@ def train_tokenizer(arch: str, vocab_size: int, texts: list[str]) -> dict:
     ])
     tok.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[tk.AddedToken(s, special=True, normalized=False) for s in fam["specials"]],
-        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+        vocab_size=vocab_size, min_frequency=2, initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[tk.AddedToken(s, special=True, normalized=False) for s in fam["specials"]], show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     ids = {s: tok.token_to_id(s) for s in fam["specials"]}
     if [ids[s] for s in fam["specials"]] != list(range(len(fam["specials"]))):
@@ -234,33 +183,21 @@ def train_tokenizer(arch: str, vocab_size: int, texts: list[str]) -> dict:
     # Plain encode() adds the BOS, as Gemma's and Llama 3's tokenizers do; chat templates
     # write their own, and apply_chat_template encodes without special tokens.
     tok.post_processor = tk.processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, ids[bos])]
-    )
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, ids[bos])])
     return {"json": tok.to_str(pretty=True), "ids": ids, "vocab": tok.get_vocab_size()}
 
 
 def tokenizer_files(arch: str, tok: dict) -> tuple[dict, dict]:
     fam = FAMILIES[arch]
-    named = {"bos_token": fam["bos"], "eos_token": fam["eos"], "pad_token": fam["pad"]}
-    if fam["unk"]:
-        named["unk_token"] = fam["unk"]
+    named = {"bos_token": fam["bos"], "eos_token": fam["eos"], "pad_token": fam["pad"], "unk_token": fam["unk"]}
+    named = {k: v for k, v in named.items() if v}  # Llama 3 has no unk token
     extra = [s for s in fam["specials"] if s not in named.values()]
     special_map = {**named, "additional_special_tokens": extra}
-    added = {
-        str(tok["ids"][s]): {
-            "content": s, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True,
-        }
-        for s in fam["specials"]
-    }
-    config = {
-        **special_map,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": added,
-        "chat_template": fam["chat_template"],
-        "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": MAX_POSITIONS, "padding_side": "right",
-    }
+    added = {str(tok["ids"][s]): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                                  "single_word": False, "special": True} for s in fam["specials"]}
+    config = {**special_map, "tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
+              "chat_template": fam["chat_template"], "add_bos_token": True, "add_eos_token": False,
+              "clean_up_tokenization_spaces": False, "model_max_length": MAX_POSITIONS, "padding_side": "right"}
     return config, special_map
 
 
@@ -288,19 +225,16 @@ def init_weights(config: dict, seed: int, dtype: str) -> tuple[dict, int]:
         # norms, layer scalars: keep the module's init
         arr = normal(seed, name, value.shape) if name in random_init else np.array(value, dtype=np.float32)
         weights[name] = mx.array(arr).astype(getattr(mx, dtype))
-    count = sum(int(np.prod(v.shape)) for v in weights.values())
-    return weights, count
+    return weights, sum(int(np.prod(v.shape)) for v in weights.values())
 
 
 def released_layout(config: dict, weights: dict, seed: int) -> tuple[dict, dict]:
-    """Gemma 4's released checkpoint around the text model: the gemma4 wrapper config, the text
-    weights under model.language_model.*, and the vision and audio towers mlx-lm drops."""
+    """Gemma 4's released layout: the gemma4 wrapper config, model.language_model.*, towers mlx-lm drops."""
     import mlx.core as mx
 
     top = ("architectures", "thunder_runbook", "torch_dtype")
     wrapper = {
-        "architectures": ["Gemma4ForConditionalGeneration"],
-        "model_type": "gemma4",
+        "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
         "text_config": {k: v for k, v in config.items() if k not in top},
         "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64,
                           "num_hidden_layers": 1, "num_attention_heads": 2, "patch_size": 4},
@@ -317,8 +251,7 @@ def released_layout(config: dict, weights: dict, seed: int) -> tuple[dict, dict]
 
 
 def quantize(config: dict, weights: dict, bits: int) -> tuple[dict, dict]:
-    """mlx-lm's own quantize_model on the model mlx-lm builds from config and weights (sanitize()
-    included); the towers it drops are kept in float under their top-level names."""
+    """mlx-lm's own quantize_model (after sanitize()); the towers it drops stay float at the top level."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes, quantize_model
 
@@ -338,14 +271,10 @@ def verify(path: Path, arch: str, sample: str) -> None:
     from mlx_lm.utils import load
 
     model, tokenizer = load(str(path))
-    fam = FAMILIES[arch]
-    conv = [
-        {"role": "system", "content": "You answer questions about Python."},
-        {"role": "user", "content": "What does the assert statement do?"},
-        {"role": "assistant", "content": sample},
-    ]
+    conv = [{"role": "system", "content": "You answer questions about Python."},
+            {"role": "user", "content": "What does the assert statement do?"}, {"role": "assistant", "content": sample}]
     text = tokenizer.apply_chat_template(conv, tokenize=False)
-    for marker in fam["turn_markers"]:
+    for marker in FAMILIES[arch]["turn_markers"]:
         if marker not in text:
             raise RunbookError(f"verify: chat template output lacks {marker!r}: {text[:200]!r}", ANCHOR)
     full = tokenizer.apply_chat_template(conv, return_dict=False)
@@ -353,25 +282,22 @@ def verify(path: Path, arch: str, sample: str) -> None:
     if full[: len(prompt)] != prompt or full.count(tokenizer.bos_token_id) != 1:
         raise RunbookError("verify: the generation prompt is not a token prefix of the conversation "
                            "(mask_prompt would misalign) or BOS is not there exactly once", ANCHOR)
-    ids = tokenizer.encode(sample, add_special_tokens=False)
-    if tokenizer.decode(ids) != sample:
+    if tokenizer.decode(tokenizer.encode(sample, add_special_tokens=False)) != sample:
         raise RunbookError("verify: tokenizer round trip changed the text", ANCHOR)
     logits = model(mx.array([full]))
     mx.eval(logits)
-    vocab = model.args.vocab_size
-    if logits.shape != (1, len(full), vocab) or not bool(mx.all(mx.isfinite(logits)).item()):
-        raise RunbookError(f"verify: bad logits (shape {logits.shape}, want (1, {len(full)}, {vocab}))", ANCHOR)
+    want = (1, len(full), model.args.vocab_size)
+    if logits.shape != want or not bool(mx.all(mx.isfinite(logits)).item()):
+        raise RunbookError(f"verify: bad logits (shape {logits.shape}, want {want})", ANCHOR)
 
 
 def check_replaceable(out: Path, force: bool) -> None:
-    if not out.exists() or force:
-        return
-    prov = out / "provenance.json"
+    """Refuse to replace a folder this script did not make (unless --force)."""
     try:
-        ours = json.loads(prov.read_text(encoding="utf-8")).get("generator") == GENERATOR
+        ours = json.loads((out / "provenance.json").read_text(encoding="utf-8")).get("generator") == GENERATOR
     except (OSError, ValueError, AttributeError):
         ours = False
-    if not ours:
+    if out.exists() and not force and not ours:
         raise RunbookError(f"{out} exists and was not made by {GENERATOR} (no provenance.json naming it); "
                            "refusing to replace it: choose another --out, or pass --force to overwrite", ANCHOR)
 
@@ -383,21 +309,16 @@ def provenance(args, config: dict, tok: dict, text_sha: str, n_params: int, file
         "seed": args.seed, "dtype": args.dtype, "parameters": n_params,
         "init": f"Linear and Embedding weights ~ N(0, {INIT_STD}^2), numpy default_rng"
                 "([seed, sha256(name)[:8]]); other parameters keep the module's init",
-        "tokenizer": {
-            "type": "byte-level BPE (tokenizers)", "vocab_size": tok["vocab"], "min_frequency": 2,
-            "special_tokens": tok["ids"],
-            "trained_on": f"cpython-{platform.python_version()}/pydoc_data.topics",
-            "trained_on_sha256": text_sha,
-        },
-        "python": platform.python_version(),
+        "tokenizer": {"type": "byte-level BPE (tokenizers)", "vocab_size": tok["vocab"], "min_frequency": 2,
+                      "special_tokens": tok["ids"], "trained_on_sha256": text_sha,
+                      "trained_on": f"cpython-{platform.python_version()}/pydoc_data.topics"},
+        "python": platform.python_version(), "files": files,
         "packages": {p: pkg_version(p) for p in ("mlx", "mlx-lm", "numpy", "tokenizers")},
-        "files": files,
     }
 
 
 def main() -> int:
     args = build_parser().parse_args()
-    t0 = time.monotonic()
     try:
         if not 512 <= args.vocab_size <= 65536:
             raise RunbookError(f"--vocab-size {args.vocab_size} is out of range: use 512..65536", ANCHOR)
@@ -414,9 +335,7 @@ def main() -> int:
             config, weights = released_layout(config, weights, args.seed)
         if args.quantize:
             config, weights = quantize(config, weights, args.quantize)
-
         import mlx.core as mx
-
         with atomic.atomic_dir(args.out) as tmp:
             atomic.write_json(tmp / "config.json", config)
             atomic.write_text(tmp / "tokenizer.json", tok["json"] + "\n")
@@ -430,10 +349,9 @@ def main() -> int:
         return die(e)
     except OSError as e:
         return die(RunbookError(f"cannot write {args.out}: {e}; check the folder is writable", ANCHOR))
-    size = sum(p.stat().st_size for p in args.out.iterdir() if p.is_file())
     event("tiny-model", arch=args.arch, seed=args.seed, params=n_params, vocab=tok["vocab"], dtype=args.dtype,
-          layout=args.layout, quantize=args.quantize or "none", bytes=size, out=paths.rel(args.out),
-          seconds=round(time.monotonic() - t0, 2))
+          layout=args.layout, quantize=args.quantize or "none", out=paths.rel(args.out),
+          bytes=sum(p.stat().st_size for p in args.out.iterdir() if p.is_file()))
     return 0
 
 
