@@ -134,3 +134,14 @@ def test_failure_table_has_its_columns_and_rows():
     want = {*CATEGORIES.values(), "parity-tcc", "parity-fast-synch", "export-dataset-bound", "settings",
             "out-of-memory"}
     assert want <= links, f"the failure table has no row for {sorted(want - links)}"
+
+
+def test_runbook_links_resolve_and_headings_are_unique():
+    """A `[x](#anchor)` link lands on its heading; two equal headings would send GitHub's
+    anchor to the first one only."""
+    text = (ROOT / "RUNBOOK.md").read_text()
+    heads = [github_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.M)]
+    dupes = sorted({h for h in heads if heads.count(h) > 1})
+    assert not dupes, f"RUNBOOK.md has duplicate headings: {dupes}"
+    dead = sorted(set(re.findall(r"\]\(#([a-z0-9_-]+)\)", text)) - set(heads))
+    assert not dead, f"RUNBOOK.md links to missing headings: {dead}"
