@@ -18,7 +18,6 @@ import argparse
 import fcntl
 import json
 import os
-import platform
 import re
 import signal
 import sys
@@ -122,16 +121,13 @@ def local_reference(args) -> dict:
 
 
 def eval_python(h: str, runnable: dict, args) -> dict:
-    """PYTHON resolves to the interpreter (real path, version) most hosts have; ties: this machine's, rank order."""
+    """PYTHON resolves to the same interpreter (real path, version) on every host as on the first one."""
     keys = {k: f"{p['realpath']} (Python {p['version']})" for k, p in runnable.items()}
-    counts = Counter(keys.values())
-    tied = [v for v in keys.values() if counts[v] == max(counts.values())]
-    here = f"{os.path.realpath(args.python)} (Python {platform.python_version()})"
-    best = here if here in tied else tied[0]
-    if keys[h] == best:
+    first = next(iter(keys))
+    if keys[h] == keys[first]:
         return check("runtime.python", h, "pass", f"{runnable[h]['requested']} -> {keys[h]}")
-    return check("runtime.python", h, "fail", f"PYTHON resolves to {keys[h]}, but to {best} on "
-                 + ", ".join(k for k, v in keys.items() if v == best), args.fix["provision"])
+    return check("runtime.python", h, "fail", f"PYTHON resolves to {keys[h]}, but to {keys[first]} on {first}",
+                 args.fix["provision"])
 
 
 def eval_packages(h: str, f: dict, lock: str, fix: str) -> list[dict]:
@@ -186,8 +182,7 @@ def eval_remote_root(args, h: str, disk: dict, system: str) -> dict:
     """The ssh session may read REMOTE_ROOT: macOS privacy protection (TCC) refuses ~/Desktop, ~/Documents
     and ~/Downloads with EPERM ("Operation not permitted"); a folder's owner or mode refuses with EACCES."""
     err, root, home = disk.get("errno"), args.root, (disk.get("home") or "/-").rstrip("/") + "/"
-    under = root[len(home):].split("/")[0] if root.startswith(home) else ""
-    status, fix = "fail", TCC_FIX
+    under, status, fix = root[len(home):].split("/")[0] if root.startswith(home) else "", "fail", TCC_FIX
     if err == "EPERM":
         why = f"{root}: Operation not permitted (EPERM): macOS privacy protection (TCC) refuses this ssh session"
     elif err == "EACCES":
@@ -229,11 +224,11 @@ def eval_macos(args, h: str, f: dict, hf) -> list[dict]:
 
 
 def eval_wired(args, h: str, f: dict) -> dict:
-    """What a rank needs (the calibrated peak of this model, weights included; else the weights) against
-    Metal's recommended working set, which mlx-lm wires and a raised iogpu.wired_limit_mb raises."""
+    """A rank's need (this model's calibrated peak, weights included; else the weights) against Metal's
+    recommended working set (mlx-lm wires it; a raised iogpu.wired_limit_mb raises it)."""
     limit, ws = parity.wired_limit_mb((f.get("macos") or {}).get("wired_limit")), (f.get("mlx") or {}).get("working_set")
-    total, peak = (f.get("memory") or {}).get("total_bytes") or 0, args.peaks.get(h)
-    need, safe_mb, fix = max(args.model_bytes, peak or 0), max(total // MiB - 4096, 0), "see RUNBOOK.md#parity-wired-limit"
+    total, peak, fix = (f.get("memory") or {}).get("total_bytes") or 0, args.peaks.get(h), "see RUNBOOK.md#parity-wired-limit"
+    need, safe_mb = max(args.model_bytes, peak or 0), max(total // MiB - 4096, 0)
     what = (f"calibrated peak {peak / GB:.1f} GB ({args.calibration}, weights included)" if peak else
             f"the model's {args.model_bytes / GB:.1f} GB of weights (no calibration of this model)")
     detail = (f"iogpu.wired_limit_mb {limit if limit else '0 (the default)'}; recommended working set "
@@ -253,12 +248,12 @@ def eval_wired(args, h: str, f: dict) -> dict:
 
 
 def eval_link(h: str, f: dict) -> list[dict]:
+    """link.ips: the hostfile's IPs are this host's; link.rtt: the fastest TCP handshake to each peer IP."""
     ips, link, out = f["ips"], f["link"], []
     missing = [ip for ip, ok in ips.items() if ok is not True]
     if ips and "error" not in ips:
-        detail = f"hostfile IP(s) {', '.join(missing)} are not this host's" if missing else f"owns {', '.join(ips)}"
-        out.append(check("link.ips", h, "fail" if missing else "pass", detail,
-                         f"fix the host's ips in the hostfile (or the host's interface setup); {LINK_FIX}"))
+        out.append(check("link.ips", h, "fail" if missing else "pass", f"hostfile IP(s) {', '.join(missing)} are not "
+                         f"this host's" if missing else f"owns {', '.join(ips)}", f"fix the hostfile's ips; {LINK_FIX}"))
     if "error" in link or not link:
         return out + [check("link.rtt", h, "fail" if link else "pass", f"probe error: {link['error']}" if link
                             else "skipped: no peers (one rank)", LINK_FIX)]
@@ -299,13 +294,11 @@ def eval_content(args, h: str, f: dict, ref: dict) -> list[dict]:
 
 def model_note(args) -> list[dict]:
     """MODEL when there is no local folder to compare: missing here, or a hub id each host resolves."""
-    if args.model_local:
-        return []
-    if args.model.startswith((".", "/", "models/")):
-        return [check("model", "local", "fail", f"MODEL {args.model} does not exist here",
-                      "generate it (make tiny-model) or set MODEL=; see RUNBOOK.md#parity-model")]
-    return [check("model", "-", "pass", f"skipped: MODEL {args.model} is a hub id (each host resolves it from its "
-                  "own cache)" if args.model else "skipped: no MODEL")]
+    missing = not args.model_local and args.model.startswith((".", "/", "models/"))
+    return [] if args.model_local else [check("model", "local" if missing else "-", "fail" if missing else "pass",
+        f"MODEL {args.model} does not exist here" if missing else f"skipped: MODEL {args.model} is a hub id (each host "
+        "resolves it from its own cache)" if args.model else "skipped: no MODEL", "generate it (make tiny-model) or "
+        "set MODEL=; see RUNBOOK.md#parity-model")]
 
 
 def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
@@ -319,8 +312,7 @@ def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
             checks.append(check("ssh", h, "fail", *parity.ssh_failure(h, r) if not r.ok else (
                 f"ssh works but the probe printed no result: {tail}", "run the probe by hand: see RUNBOOK.md#parity-ssh")))
             continue
-        how = "local (127.0.0.1, like mlx.launch)" if is_local(h) else "ssh ok" + (
-            " (self-ssh: this machine is a rank)" if h in args.self_hosts else "")
+        how = "local (127.0.0.1, like mlx.launch)" if is_local(h) else "ssh ok"  # this machine by name too: self-ssh
         checks.append(check("ssh", h, "pass", f"{how}, round trip {secs:.2f} s"))
         if why:  # PYTHON is missing or dies: nothing more can be asked of this host
             checks.append(check("runtime.python", h, "fail", why, args.fix["provision"]))
@@ -356,15 +348,12 @@ def run_checks(args, deadline: float) -> list[dict]:
         return [check("hostfile" if e.anchor == "hostfile" else "inputs", "-", "fail", e.args[0],
                       f"see RUNBOOK.md#{e.anchor}")]
     hosts, peers = hf.unique_ssh(), parity.peers_of(hf)
-    mine = local_probe.probe_ips([ip for r in hf.hosts if not is_local(r.ssh) for ip in r.ips])
-    args.self_hosts = {r.ssh for r in hf.hosts if not is_local(r.ssh) and any(mine.get(ip) for ip in r.ips)}
     with ThreadPoolExecutor(len(hosts)) as pool:  # every probe bounded by the deadline (subprocess timeout)
         running = {h: pool.submit(probe_host, args, h, hf, peers, deadline) for h in hosts}
         ref = local_reference(args)  # hashed here while the hosts answer
         results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
-    links = {h: (f or {}).get("link") or {"-": {"rtt_ms": None}} for h, (f, _, _) in results.items()}
-    args.rtts = {h: max(v["rtt_ms"] for v in link.values()) for h, link in links.items()
-                 if "error" not in link and all(v["rtt_ms"] is not None for v in link.values())}
+    args.rtts = {h: max(v["rtt_ms"] for v in link.values()) for h, (f, _, _) in results.items() if (link := (
+        f or {}).get("link")) and "error" not in link and all(v["rtt_ms"] is not None for v in link.values())}
     summary = f"{args.hostfile}: {hf.backend or 'ring'}, {hf.size} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}"
     return [check("hostfile", "-", "pass", summary)] + evaluate(args, hf, ref, results)
 
@@ -402,12 +391,9 @@ def print_table(result: dict, args) -> None:
     wn, wh = max([len(c["name"]) for c in rows] + [5]), max([len(c["host"]) for c in rows] + [4])
     print(plugin_line(result, args))
     print(f"check-parity gate {args.gate} hostfile {args.hostfile} python {args.python} remote_root {args.remote_root}")
-    print(f"  {'status':<6}  {'check':<{wn}}  {'host':<{wh}}  detail")
     for c in rows:
-        mark = {"pass": "pass", "warn": "WARN", "fail": "FAIL"}[c["status"]]
-        print(f"  {mark:<6}  {c['name']:<{wn}}  {c['host']:<{wh}}  {c['detail']}")
-        if c["fix"]:
-            print(f"  {'':<6}  {'':<{wn}}  {'':<{wh}}  fix: {c['fix']}")
+        print(f"  {c['status'] if c['status'] == 'pass' else c['status'].upper():<6}  {c['name']:<{wn}}  "
+              f"{c['host']:<{wh}}  {c['detail']}" + ("\n" + " " * (wn + wh + 14) + f"fix: {c['fix']}" if c["fix"] else ""))
     print(f"check-parity status {result['status']} code {result['code']} checks {len(rows)} fail {n['fail']} "
           f"warn {n['warn']} duration_s {result['duration_s']}", flush=True)
 
@@ -443,9 +429,9 @@ def main() -> int:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another run holds it: say so, touch nothing
             lock.seek(0)
-            checks, code, last = [check("lock", "-", "fail", f"another check-parity is running (pid "
-                                        f"{lock.read().strip() or '?'} holds {state / '.lock'}); this run exits "
-                                        "without checking", "wait for it to finish; see RUNBOOK.md#parity-lock")], 3, None
+            checks, code, last = [check("lock", "-", "fail", f"another check-parity is running (pid {lock.read().strip() or '?'}"
+                                        f" holds {state / '.lock'}); this run exits without checking",
+                                        "wait for it to finish; see RUNBOOK.md#parity-lock")], 3, None
         else:
             lock.truncate(0)
             print(os.getpid(), file=lock, flush=True)

@@ -55,12 +55,9 @@ def python_failure(python: str, r: Result) -> str | None:
 
 HOST_KEY = "see RUNBOOK.md#parity-ssh-host-key"
 SSH_FAILURES = [  # (stderr pattern, detail, fix): {last} = ssh's last line; {ssh} {host} in the fix
-    ("IDENTIFICATION HAS CHANGED|Offending", "host key CHANGED since known_hosts recorded it (a reinstalled "
-     "host, or an attack)", "confirm the new key's fingerprint on the host, then: ssh-keygen -R {host}; {ssh} -o "
-     "StrictHostKeyChecking=accept-new {host} true; " + HOST_KEY),
-    ("Host key verification failed|host key is known", "host key unknown: not in known_hosts, and ssh never "
-     "prompts here", "confirm the host's key fingerprint, then record it once: {ssh} -o "
-     "StrictHostKeyChecking=accept-new {host} true; " + HOST_KEY),
+    ("IDENTIFICATION HAS CHANGED|Offending|Host key verification failed|host key is known", "host key unknown or "
+     "CHANGED (a reinstalled host, or an attack): ssh never prompts here", "confirm the host's key fingerprint, then "
+     "(if it changed: ssh-keygen -R {host}) {ssh} -o StrictHostKeyChecking=accept-new {host} true; " + HOST_KEY),
     ("Permission denied", "authentication refused: {last}", "install your key on the host: ssh-copy-id {host}"),
     ("Connection refused", "sshd not listening: {last}", "start sshd on the host (macOS: System Settings > "
      "General > Sharing > Remote Login)"),

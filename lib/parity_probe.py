@@ -1,4 +1,4 @@
-"""The host side of check-parity: one self-contained probe (standard library only) that prints one
+"""The host side of check-parity: one self-contained probe (standard library, and packaging) that prints one
 JSON object of facts; it only reads. lib/parity.py's PROBE_SH runs it as `PYTHON -c <source> '<params>'`.
 Example, by hand: python lib/parity_probe.py '{"remote_root": "/Users/op/thunder-runbook", "parts": ["runtime"]}'
 """
@@ -39,15 +39,10 @@ def iter_files(root, parts):
 
 
 def marker_env():
-    """PEP 508 marker variables, as packaging.markers.default_environment() computes them."""
-    v = sys.implementation.version
-    iver = f"{v.major}.{v.minor}.{v.micro}" + ("" if v.releaselevel == "final" else v.releaselevel[0] + str(v.serial))
-    return {"implementation_name": sys.implementation.name, "implementation_version": iver, "os_name": os.name,
-            "platform_machine": platform.machine(), "platform_release": platform.release(),
-            "platform_system": platform.system(), "platform_version": platform.version(),
-            "python_full_version": platform.python_version(),
-            "platform_python_implementation": platform.python_implementation(),
-            "python_version": ".".join(platform.python_version_tuple()[:2]), "sys_platform": sys.platform}
+    """PEP 508 marker variables of this interpreter (the lock's pins depend on them)."""
+    from packaging.markers import default_environment  # in every venv the lock builds (transformers needs it)
+
+    return default_environment()
 
 
 def installed_dists():

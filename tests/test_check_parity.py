@@ -319,7 +319,7 @@ def test_peers_ring_and_jaccl():
     ("No ED25519 host key is known for fab2 and you have requested strict checking.\r\n"
      "Host key verification failed.\r\n", "host key unknown"),
     ("@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@\r\n"
-     "@    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @\r\n", "host key CHANGED"),
+     "@    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @\r\n", "host key unknown or CHANGED"),
     ("ssh: connect to host 10.213.7.12 port 22: Connection refused\r\n", "sshd not listening"),
     ("ssh: connect to host 10.0.5.5 port 22: Connection timed out\r\n", "host unreachable"),
     ("ssh: connect to host 10.0.5.5 port 22: No route to host\r\n", "host unreachable"),
