@@ -6,10 +6,9 @@ Usage: python bin/check_parity.py --hostfile HF --python PY --remote-root DIR [-
 Example (`make check-parity`; `make provision` adds --gate runtime):
     python bin/check_parity.py --hostfile hostfile.json --python /Users/op/thunder-runbook/.venv/bin/python \
         --remote-root /Users/op/thunder-runbook --model models/tiny-gemma4 --dataset domain_sft_v1_high_signal_thunder
-Gate runtime: ssh, runtime.*, resources.*, link.*; gate content: code, model, dataset bytes. One probe per host,
-in parallel, within --timeout; a second run exits 3 (flock); the result also goes to <state-dir>/last.json.
-Text starts `PARITY OK - runtime OK; content OK | duration=0.31s;;;0 ...` (a monitoring plugin's line);
---json prints one object. Exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.
+Gate runtime: ssh, runtime.*, resources.*, link.*; content: code, model, dataset bytes. One probe per host within
+--timeout; a second run exits 3 (flock); also writes <state-dir>/last.json. Text starts `PARITY OK - runtime OK;
+content OK | duration=0.31s;;;0 ...` (a monitoring plugin's line). Exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.
 """
 
 from __future__ import annotations
@@ -96,8 +95,7 @@ def validate_inputs(args):
 
 
 def calibrated_peaks(model: str) -> tuple[dict, str]:
-    """({host: peak bytes at the recommended per-rank batch, weights included}, file) from the newest
-    runs/calibration-*.json of MODEL (bin/calibrate.py's hosts[].sweep[] and recommendation)."""
+    """({host: peak bytes at the recommended per-rank batch, weights included}, file): newest calibration of MODEL."""
     for path in sorted(paths.RUNS.glob("calibration-*.json"), reverse=True):
         doc = json.loads(path.read_text(encoding="utf-8"))
         if model and doc.get("model") == model:
@@ -131,8 +129,7 @@ def eval_python(h: str, runnable: dict, args) -> dict:
 
 
 def eval_packages(h: str, f: dict, lock: str, fix: str) -> list[dict]:
-    """runtime.packages: the lock's versions for this host; runtime.mlx: mlx.core imports, computes, is new
-    enough and is the installed one (not shadowed by PYTHONPATH or a .pth file)."""
+    """runtime.packages: the lock's versions here; runtime.mlx: mlx.core computes, is new enough and not shadowed."""
     have, mx, pins = f.get("packages") or {}, f.get("mlx") or {}, parity.lock_pins(lock, f["marker_env"])
     bad = [f"{n}: requirements.lock has no pin for this host's platform" for n in parity.PACKAGES[:6] if n not in pins]
     bad += [f"{n} {have.get(n) or 'missing'} (lock {pins[n]})" for n in parity.PACKAGES
@@ -157,30 +154,25 @@ def eval_packages(h: str, f: dict, lock: str, fix: str) -> list[dict]:
 def eval_env(h: str, f: dict, envs: list[str]) -> dict:
     where = [w for w, on in (("the hostfile's envs", any(e.split("=")[0] == FAST_SYNCH for e in envs)),
                              ("this host's ssh environment", FAST_SYNCH in f["env"])) if on]
-    detail = (f"{FAST_SYNCH} is set in {' and '.join(where)}: it can wedge the GPU until a reboot "
-              "(ml-explore/mlx#3142, #3830)" if where else f"{FAST_SYNCH} unset")
-    return check("runtime.env", h, "fail" if where else "pass", detail, "remove it (hostfile envs, the host's "
-                 "~/.zshenv): the MLX docs say to leave it unset, though the coordinator seed still recommends it; "
-                 "see RUNBOOK.md#parity-fast-synch")
+    return check("runtime.env", h, "fail" if where else "pass", f"{FAST_SYNCH} is set in {' and '.join(where)}: it "
+                 "can wedge the GPU until a reboot (ml-explore/mlx#3142, #3830)" if where else f"{FAST_SYNCH} unset",
+                 "remove it (hostfile envs, the host's ~/.zshenv): the MLX docs say to leave it unset, though the "
+                 "coordinator seed still recommends it; see RUNBOOK.md#parity-fast-synch")
 
 
 def eval_resources(args, h: str, f: dict) -> list[dict]:
-    """resources.disk at REMOTE_ROOT, resources.memory available now."""
+    """Free disk at REMOTE_ROOT, available memory, and whether the ssh session may read REMOTE_ROOT: TCC
+    refuses ~/Desktop, ~/Documents, ~/Downloads with EPERM ("Operation not permitted"), modes with EACCES."""
     disk, mem, fix = f["disk"], f.get("memory") or {}, "see RUNBOOK.md#parity-resources"
     free, avail = disk.get("free_bytes", -GB) / GB, (mem.get("available_bytes") or 0) / GB
-    return [check("resources.disk", h, "pass" if free >= args.min_disk_gb else "fail",
-                  f"{free:.1f} GB free at {disk['path']} (minimum {args.min_disk_gb:g} GB)" if free >= 0 else
-                  f"cannot read free disk: {disk.get('error')}",
-                  f"free space on the host (du -sh {args.root}/runs/*), or lower MIN_DISK_GB; {fix}"),
-            check("resources.memory", h, "pass" if avail >= MIN_MEM_GB else "warn",
-                  f"{avail:.1f} GB available of {mem['total_bytes'] / GB:.1f} GB (warn below {MIN_MEM_GB:g} GB)"
-                  if "available_bytes" in mem else f"cannot read free memory: {mem.get('error')}",
-                  f"stop other jobs on the host; {fix}")]
-
-
-def eval_remote_root(args, h: str, disk: dict, system: str) -> dict:
-    """The ssh session may read REMOTE_ROOT: macOS privacy protection (TCC) refuses ~/Desktop, ~/Documents
-    and ~/Downloads with EPERM ("Operation not permitted"); a folder's owner or mode refuses with EACCES."""
+    out = [check("resources.disk", h, "pass" if free >= args.min_disk_gb else "fail",
+                 f"{free:.1f} GB free at {disk['path']} (minimum {args.min_disk_gb:g} GB)" if free >= 0 else
+                 f"cannot read free disk: {disk.get('error')}",
+                 f"free space on the host (du -sh {args.root}/runs/*), or lower MIN_DISK_GB; {fix}"),
+           check("resources.memory", h, "pass" if avail >= MIN_MEM_GB else "warn",
+                 f"{avail:.1f} GB available of {mem['total_bytes'] / GB:.1f} GB (warn below {MIN_MEM_GB:g} GB)"
+                 if "available_bytes" in mem else f"cannot read free memory: {mem.get('error')}",
+                 f"stop other jobs on the host; {fix}")]
     err, root, home = disk.get("errno"), args.root, (disk.get("home") or "/-").rstrip("/") + "/"
     under, status, fix = root[len(home):].split("/")[0] if root.startswith(home) else "", "fail", TCC_FIX
     if err == "EPERM":
@@ -190,12 +182,12 @@ def eval_remote_root(args, h: str, disk: dict, system: str) -> dict:
         fix = f"ls -ld {root} on the host, then chown or chmod it for the ssh user; see RUNBOOK.md#parity-tcc"
     elif err not in (None, "ENOENT"):
         why = f"{root}: {disk.get('error')}"
-    elif system == "Darwin" and under in ("Desktop", "Documents", "Downloads"):
+    elif f["system"] == "Darwin" and under in ("Desktop", "Documents", "Downloads"):
         status, why = "warn", (f"{root} lies under ~/{under}: ssh may read it only while full disk access for "
                                "remote users stays on, and a macOS update can turn that off")
     else:
         status, why = "pass", f"{root} " + ("does not exist yet (sync creates it)" if err else "is readable over ssh")
-    return check("resources.remote_root", h, status, why, fix)
+    return out + [check("resources.remote_root", h, status, why, fix)]
 
 
 def eval_macos(args, h: str, f: dict, hf) -> list[dict]:
@@ -205,11 +197,10 @@ def eval_macos(args, h: str, f: dict, hf) -> list[dict]:
     if f["system"] != "Darwin":
         names = ["resources.thunderbolt", "resources.sleep", "resources.wired"] + ["resources.rdma"] * jaccl
         return [check(n, h, "pass", f"skipped: not macOS ({f['system']})") for n in names]
-    if jaccl or all(ip.startswith("127.") for ip in ips):
-        why = "jaccl carries data over rdma devices" if jaccl else "loopback ranks"
-        out = [check("resources.thunderbolt", h, "pass", f"skipped: {why}")]
-    else:
-        out = [check("resources.thunderbolt", h, *parity.thunderbolt_facts(ips, mac), "see RUNBOOK.md#parity-thunderbolt")]
+    skip = "jaccl carries data over rdma devices" if jaccl else "loopback ranks" if all(
+        ip.startswith("127.") for ip in ips) else ""
+    out = [check("resources.thunderbolt", h, "pass", f"skipped: {skip}") if skip else check(
+        "resources.thunderbolt", h, *parity.thunderbolt_facts(ips, mac), "see RUNBOOK.md#parity-thunderbolt")]
     status, detail, flag = parity.sleep_facts(mac.get("pmset"), mac.get("pmset_ps"))
     out += [check("resources.sleep", h, status, detail, f"on the host: sudo pmset {flag} sleep 0 (or System Settings "
                   "> Energy: prevent automatic sleeping); caffeinate -i holds only while the ranks and make train "
@@ -268,8 +259,7 @@ def eval_link(h: str, f: dict) -> list[dict]:
 
 
 def eval_content(args, h: str, f: dict, ref: dict) -> list[dict]:
-    """code, model and dataset files {rel: [size, mtime, sha256 or None]} equal this checkout's; without
-    sha256, equal sizes with other mtimes only warn; a dataset not synced yet warns until a launch."""
+    """code, model, dataset files {rel: [size, mtime, sha256|None]} equal this checkout's (no sha256: mtime warns)."""
     out = []
     for name, where, fix in (("code", args.root, "sync"), ("model", args.model_remote, "sync_model"),
                              ("dataset", f"{args.root}/datasets/{args.dataset}", "sync")):
@@ -322,7 +312,7 @@ def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
         if runtime:
             checks += [eval_python(h, {k: v["python"] for k, v in facts.items()}, args),
                        *eval_packages(h, f, ref["lock"], args.fix["provision"]), eval_env(h, f, hf.envs),
-                       *eval_resources(args, h, f), eval_remote_root(args, h, f["disk"], f["system"]),
+                       *eval_resources(args, h, f),
                        *eval_macos(args, h, f, hf), *eval_link(h, f)]
         if "content" in GATES[args.gate]:
             checks += eval_content(args, h, f, ref)

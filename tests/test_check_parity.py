@@ -425,7 +425,7 @@ def remote_root_check(mod, root: str, disk: dict, system: str) -> dict:
     args = mod.build_parser().parse_args(["--hostfile", "hostfile.local.json", "--python", PYTHON,
                                           "--remote-root", root])
     mod.validate_inputs(args)
-    return mod.eval_remote_root(args, "mac5", disk, system)
+    return mod.eval_resources(args, "mac5", {"disk": dict(disk, path=root, free_bytes=1 << 40), "system": system})[-1]
 
 
 def test_remote_root_eacces_is_file_modes(tmp_path):
