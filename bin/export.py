@@ -2,18 +2,15 @@
 """export: a corpus to mlx-lm chat JSONL with stable splits, provenance, rejects and a manifest.
 
 Usage:
-    python bin/export.py CORPUS [CORPUS ...] (--dataset NAME | --out DIR) [--config YAML] [--replace]
-        [--field CANONICAL=NAME ...] [--role FROM=TO ...] [--ratios TRAIN,VALID,TEST]
-        [--max-reject-ratio R] [--max-chars N] [--text-system-prompt S] [--text-user-prompt S] [--workers N]
+    python bin/export.py CORPUS [CORPUS ...] (--dataset NAME | --out DIR) [--config YAML] [--replace] [options]
 
 Example:
     .venv/bin/python bin/export.py datasets/sample/corpus.jsonl --dataset sample --config configs/export.yaml
 
-CORPUS: JSONL files (plain or gzip'd) or globs, read in sorted path order; one object a line:
-{"messages": [...]}, {"prompt", "completion"|"response"}, {"instruction", "input", "output"} or {"text"},
-plus optional "record_id", "weight", "source". Writes DIR (datasets/NAME) at once: train/valid/test.jsonl
-(`mlx_lm lora --data DIR` reads them), rejects.jsonl, manifest.json. A dataset is bound to its corpus:
-the same corpus and settings again change nothing, another is refused unless --replace. See RUNBOOK.md#export.
+CORPUS: JSONL files (plain or gzip'd) or globs; a line is {"messages"}, {"prompt", "completion"|"response"},
+{"instruction", "input", "output"} or {"text"}, plus optional "record_id", "weight", "source". Writes DIR at
+once: train/valid/test.jsonl (`mlx_lm lora --data DIR`), rejects.jsonl, manifest.json. The same corpus and
+settings again change nothing; another corpus is refused unless --replace. See RUNBOOK.md#export.
 """
 
 from __future__ import annotations
@@ -63,7 +60,7 @@ RAW_PREFIX, CHUNK = 500, 2000  # bytes of a rejected line kept; lines per task o
 MISSING = object()
 ENC = json.encoder.encode_basestring_ascii  # a string as json.dumps writes it: pure ASCII, any locale reads it
 SCAN = json.decoder.JSONDecoder().scan_once  # json.loads without its per-call overhead
-W: dict = {}  # this process's Shaper (set by init_worker in a pool worker)
+W: dict = {}  # a pool worker's Shaper (set by init_worker)
 
 
 class Reject(Exception):
@@ -95,7 +92,6 @@ def resolve_settings(args) -> dict:
     s, where = json.loads(json.dumps(DEFAULTS)), "the command line"
     if args.config:
         import yaml
-
         try:
             s.update(yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {})
         except (OSError, yaml.YAMLError, TypeError, ValueError) as e:
@@ -109,8 +105,8 @@ def resolve_settings(args) -> dict:
     s.update({k: v for k in FLAGS if (v := getattr(args, k)) is not None})
     if isinstance(s["ratios"], str):  # --ratios 0.9,0.05,0.05
         s["ratios"] = dict(zip(SPLITS, s["ratios"].split(","), strict=False))
-    unknown = sorted(set(s) - set(DEFAULTS))
-    bad = [f"unknown key(s) {', '.join(unknown)} (known: {', '.join(DEFAULTS)})"] if unknown else []
+    bad = [f"unknown key(s) {', '.join(sorted(set(s) - set(DEFAULTS)))} (known: {', '.join(DEFAULTS)})"] * bool(
+        set(s) - set(DEFAULTS))
     unknown = sorted(set(s["fields"]) - set(FIELDS)) if isinstance(s["fields"], dict) else [repr(s["fields"])]
     if unknown:
         bad.append(f"unknown canonical field(s) {', '.join(unknown)} (fields maps canonical names to corpus names, "
@@ -118,10 +114,9 @@ def resolve_settings(args) -> dict:
     if not isinstance(s["roles"], dict) or not set(s["roles"].values()) <= {"system", "user", "assistant"}:
         bad.append("roles must map corpus roles to system|user|assistant, e.g. {human: user, gpt: assistant}")
     ratios = s["ratios"] if isinstance(s["ratios"], dict) and set(s["ratios"]) == set(SPLITS) else {}
-    r = {k: ratio(ratios.get(k)) for k in SPLITS}
+    r, mrr = {k: number(ratios.get(k)) for k in SPLITS}, number(s["max_reject_ratio"])
     bad += [f"ratios.{k} must be > 0 (ratios are train, valid, test; each split gets records)"
             for k in SPLITS if r[k] is None or r[k] <= 0]
-    mrr = s["max_reject_ratio"] if type(s["max_reject_ratio"]) in (int, float) else ratio(s["max_reject_ratio"])
     if mrr is None or not 0 <= mrr <= 1:
         bad.append("max_reject_ratio must be a number within 0..1")
     if type(s["max_chars"]) is not int or s["max_chars"] <= 0:
@@ -133,41 +128,43 @@ def resolve_settings(args) -> dict:
     return {**s, "ratios": {k: r[k] / sum(r.values()) for k in SPLITS}, "max_reject_ratio": float(mrr)}
 
 
-def ratio(v) -> Fraction | None:
+def number(v) -> Fraction | None:
     """A number from YAML or the command line (PyYAML reads 1e-3 as a string), exactly; or None."""
     try:
         return None if isinstance(v, bool) else Fraction(str(v))
-    except (TypeError, ValueError, ZeroDivisionError):
+    except (ValueError, ZeroDivisionError):
         return None
+
+
+def as_json(s: dict) -> dict:
+    """The settings as the manifest records them (ratios as floats)."""
+    return {**s, "ratios": {k: float(v) for k, v in s["ratios"].items()}}
 
 
 # ---- the corpus files ---------------------------------------------------------------------------
 def corpus_files(patterns: list[str], out: Path) -> list[dict]:
-    """Per file (the given paths and glob matches, sorted): its path (repo-relative inside the
-    repo), sha256 and size of its bytes as stored, and whether it is gzip'd (told by content)."""
+    """Per file (the given paths and glob matches, sorted): its path (repo-relative inside the repo),
+    sha256 and size as stored, and whether it is gzip'd (told by content)."""
     found: dict[Path, Path] = {}
     for pat in patterns:
         matches = [Path(m) for m in glob.glob(pat, recursive=True) if Path(m).is_file()] if glob.has_magic(pat) else [Path(pat)]
-        if not matches:
-            raise fail(f"corpus pattern {pat!r} matches no file: pass CORPUS=<files or glob>", "export-no-input")
-        if not matches[0].is_file():
-            why = "is a folder: pass its files or a glob" if matches[0].is_dir() else "not found"
-            raise fail(f"corpus {pat} {why}: pass CORPUS=<files or glob>", "export-no-input")
+        if not matches or not matches[0].is_file():
+            why = "matches no file" if not matches else "is a folder: pass its files or a glob" if matches[0].is_dir() else "not found"
+            raise fail(f"corpus {pat!r} {why}: pass CORPUS=<files or glob>", "export-no-input")
         found.update({m.resolve(): m for m in matches if m.resolve() not in found})
     if any(r.is_relative_to(out.resolve()) for r in found):
         raise fail(f"a corpus file is inside the output folder {out}: export to another DATASET", "export-no-input")
-    out = []
+    files = []
     for f in sorted(found.values(), key=paths.rel):
         with open(f, "rb") as fh:
-            is_gz, st = fh.read(2) == b"\x1f\x8b", f.stat()
-        out.append({"path": paths.rel(f), "sha256": sha256_file(f), "bytes": st.st_size, "gzip": is_gz, "file": f,
-                    "stat": (st.st_size, st.st_mtime_ns)})
-    return out
+            is_gz = fh.read(2) == b"\x1f\x8b"
+        files.append({"path": paths.rel(f), "sha256": sha256_file(f), "bytes": f.stat().st_size, "gzip": is_gz, "file": f})
+    return files
 
 
 def tasks(sources: list[dict], limit: int):
-    """(file path, line number before the chunk, CHUNK lines) of every file. A line over `limit`
-    bytes is cut to limit + 1 and the rest of it skipped, never held. Counts src["lines"]."""
+    """(file path, line number before the chunk, CHUNK lines) of every file; a line over `limit` bytes is
+    cut to limit + 1 and the rest skipped, never held. Counts src["lines"]."""
     for src in sources:
         n, chunk = 0, []
         try:
@@ -185,9 +182,7 @@ def tasks(sources: list[dict], limit: int):
                        "checks a .gz)", "export-no-input") from e
         if chunk:
             yield src["path"], n, chunk
-        st, src["lines"] = src["file"].stat(), n + len(chunk)
-        if (st.st_size, st.st_mtime_ns) != src["stat"]:
-            raise fail(f"{src['path']} changed during the export: export again once it is complete", "export-no-input")
+        src["lines"] = n + len(chunk)
 
 
 # ---- one line -> one record (in pool workers) ----------------------------------------------------
@@ -274,7 +269,7 @@ class Shaper:
                 raise Reject("invalid_json", str(e)) from None
         if type(obj) is not dict:
             raise Reject("not_an_object", f"a JSON {type(obj).__name__}, not an object")
-        turns = self.turns(obj)
+        turns, f = self.turns(obj), self.f
         if (n := sum([len(c) for _, c in turns])) > self.max_chars:
             raise Reject("too_long", f"content is {n} chars, over max_chars {self.max_chars}")
         if b"\\ud" in raw or b"\\uD" in raw:
@@ -282,7 +277,6 @@ class Shaper:
                 json.dumps(obj, ensure_ascii=False).encode()
             except UnicodeEncodeError:
                 raise Reject("non_utf8", "a string holds half a UTF-16 surrogate pair (a lone \\ud800 escape)") from None
-        f = self.f
         rid, w, src = obj.get(f["record_id"], MISSING), obj.get(f["weight"], MISSING), obj.get(f["source"], MISSING)
         if rid is not MISSING and not (type(rid) is int or type(rid) is str and rid and not rid.isspace()):
             raise Reject("bad_record_id", f"record_id {rid!r} is not a non-empty string or an integer")
@@ -301,12 +295,12 @@ class Shaper:
                 (rid is MISSING) | (w is MISSING) << 1 | (src is MISSING) << 2)
 
 
-def init_worker(s: dict, parent: int | None = None) -> None:
+def init_worker(s: dict, parent: int) -> None:
+    """A pool worker: signals are the exporter's; it leaves when the exporter is gone."""
     W["shaper"] = Shaper(s)
-    if parent is not None:  # a pool worker: signals are the exporter's; it leaves when the exporter is gone
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
 
 
 def watch_parent(pid: int) -> None:
@@ -328,30 +322,29 @@ def shape_chunk(fname: str, base: int, lines: list[bytes]) -> list[tuple]:
 
 # ---- the export: first duplicate wins, every line accounted for ---------------------------------
 def run_export(sources: list[dict], tmp: Path, s: dict, workers: int = 1) -> dict:
-    """Every line of the sources into tmp/{train,valid,test,rejects}.jsonl; returns the facts. With
-    workers > 1, a process pool shapes the chunks (2 per worker in flight) and this process takes
-    their results in input order, so the output does not depend on `workers`."""
+    """Every line of the sources into tmp/{train,valid,test,rejects}.jsonl; returns the facts. A process
+    pool shapes the chunks (2 per worker in flight); this process takes their results in input order,
+    so the output does not depend on `workers`."""
     r = {"outs": {k: open(tmp / f"{k}.jsonl", "wb") for k in (*SPLITS, "rejects")}, "rids": {}, "contents": set(),
          "counts": dict.fromkeys(("input", "exported", "rejected", "duplicates", *SPLITS), 0),
          "by_reason": dict.fromkeys(REASONS, 0), "derived": dict.fromkeys(("record_id", "weight", "source"), 0)}
-    init_worker(s)
-    pool = ProcessPoolExecutor(workers, initializer=init_worker, initargs=(s, os.getpid())) if workers > 1 else None
-    pending: deque = deque()
+    workers, pending = max(workers, 1), deque()
+    pool = ProcessPoolExecutor(workers, initializer=init_worker, initargs=(s, os.getpid()))
     try:
-        for task in tasks(sources, W["shaper"].limit):
-            pending.append((task, pool.submit(shape_chunk, *task) if pool else shape_chunk(*task)))
-            while len(pending) > (2 * workers if pool else 0):
+        for task in tasks(sources, Shaper(s).limit):
+            pending.append((task, pool.submit(shape_chunk, *task)))
+            while len(pending) > 2 * workers:
                 take(r, *pending.popleft())
         while pending:
             take(r, *pending.popleft())
+        pool.shutdown()  # all done: the workers leave before this process goes on
     except BrokenProcessPool:
         raise fail("an export worker process died (killed; the out-of-memory killer?): export again, with fewer "
                    "--workers if memory is short", "export-crashed") from None
     finally:
         for f in r["outs"].values():
             f.close()
-        if pool:
-            pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown(wait=False, cancel_futures=True)
     c = r["counts"]
     c.update(input=sum(x["lines"] for x in sources), rejected=sum(r["by_reason"].values()),
              exported=c["train"] + c["valid"] + c["test"])
@@ -363,7 +356,7 @@ def run_export(sources: list[dict], tmp: Path, s: dict, workers: int = 1) -> dic
 def take(r: dict, task: tuple, result) -> None:
     """Write one chunk's records (those not seen before) and rejects."""
     (fname, base, lines), outs, rids, contents, c = task, r["outs"], r["rids"], r["contents"], r["counts"]
-    for n, rec in enumerate(result if isinstance(result, list) else result.result(), base + 1):
+    for n, rec in enumerate(result.result(), base + 1):
         if len(rec) == 5 and rids.setdefault(rec[2], rec[3]) != rec[3]:
             rec = ("record_id_conflict", "this record_id was seen earlier with other messages; give one its own")
         if len(rec) == 2:
@@ -383,25 +376,17 @@ def take(r: dict, task: tuple, result) -> None:
                 r["derived"][key] += bool(rec[4] & bit)
 
 
-def as_json(s: dict) -> dict:
-    """The settings as the manifest records them (ratios as floats)."""
-    return {**s, "ratios": {k: float(v) for k, v in s["ratios"].items()}}
-
-
 def build_manifest(name: str, sources: list[dict], r: dict, s: dict) -> dict:
-    ratios, bounds = as_json(s)["ratios"], Shaper(s).bounds
+    bounds = Shaper(s).bounds
     return {
-        "dataset": name, "format": "mlx-lm chat JSONL: {messages, record_id, weight, source} per line",
+        "dataset": name,
         "exporter": {"script": "bin/export.py", "version": EXPORTER_VERSION, "script_sha256": sha256_file(__file__)},
         "counts": r["counts"], "rejects_by_reason": {k: v for k, v in r["by_reason"].items() if v},
         "derived": r["derived"], "files": r["files"],
         "dataset_sha256": digest_of({f"{k}.jsonl": r["files"][f"{k}.jsonl"]["sha256"] for k in SPLITS}),
-        "dataset_sha256_rule": "`sha256sum test.jsonl train.jsonl valid.jsonl | sha256sum`",
-        "split": {"key": "record_id", "ratios": ratios, "train_below": bounds[0].hex(), "valid_below": bounds[1].hex(),
-                  "rule": "h = the first 16 hex digits of sha256(record_id): train if h < train_below, else valid if "
-                          "h < valid_below, else test"},
-        "dedup": "the first record with the same messages (sha256 of their JSON) in (sorted file path, line) order "
-                 "is kept; a record_id seen again with other messages is a record_id_conflict",
+        "split": {"key": "record_id", "ratios": as_json(s)["ratios"], "train_below": bounds[0].hex(),
+                  "valid_below": bounds[1].hex(), "rule": "h = the first 16 hex digits of sha256(record_id): train "
+                  "if h < train_below, else valid if h < valid_below, else test"},
         "sources": [{k: x[k] for k in ("path", "sha256", "bytes", "lines", "gzip")} for x in sources],
         "corpus_sha256": digest_of({x["path"]: x["sha256"] for x in sources}),
         "settings": as_json(s),
@@ -410,8 +395,7 @@ def build_manifest(name: str, sources: list[dict], r: dict, s: dict) -> dict:
 
 # ---- a dataset is bound to its corpus and settings ----------------------------------------------
 def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
-    """Why this export runs, or None when `out` already is this corpus's export with these settings
-    (nothing to do). A dataset of another corpus or other settings is refused unless --replace."""
+    """Why this export runs; None when `out` is this corpus's export already; another corpus's: refused."""
     if not out.exists() or not any(out.iterdir()) or args.replace:
         return "replace" if out.exists() else "new"
     fix = (f"make export CORPUS={shlex.quote(' '.join(args.corpus))} DATASET={args.dataset} REPLACE=1"
@@ -436,8 +420,7 @@ def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
 
 # ---- the folder: one export at a time, built aside, swapped in ----------------------------------
 def lock_and_clean(out: Path):
-    """Lock `out` for this export; remove the temp folders of killed exports (or put back a dataset
-    a killed swap moved aside). Returns the lock file."""
+    """Lock `out`; remove killed exports' temp folders (or put back a dataset a killed swap moved aside)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     lock = open(out.parent / f".{out.name}.lock", "a+")
     try:
@@ -456,6 +439,19 @@ def lock_and_clean(out: Path):
     return lock
 
 
+def report(r: dict) -> None:
+    """Counts and the accounting identity, rejects by reason, derived fields."""
+    c = r["counts"]
+    event("export_counts", **c)
+    ok = ["ok" if x else "MISMATCH" for x in (c["input"] == c["exported"] + c["rejected"] + c["duplicates"],
+                                              c["exported"] == c["train"] + c["valid"] + c["test"])]
+    print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + duplicates "
+          f"{c['duplicates']} {ok[0]}; exported {c['exported']} = train {c['train']} + valid {c['valid']} + test "
+          f"{c['test']} {ok[1]}", flush=True)
+    print(f"export_rejects {' '.join(f'{k} {v}' for k, v in r['by_reason'].items() if v) or 'none'}", flush=True)
+    event("export_derived", **r["derived"])
+
+
 def export(out: Path, args, sources: list[dict], s: dict) -> dict:
     """Export into a temp folder beside `out` and swap it in, or fail leaving `out` as it was."""
     failed = out.parent / f"{out.name}.failed-rejects.jsonl"
@@ -465,16 +461,7 @@ def export(out: Path, args, sources: list[dict], s: dict) -> dict:
         if c["input"] == 0:
             raise fail(f"the corpus has no lines ({', '.join(x['path'] for x in sources)}): pass the right CORPUS",
                        "export-no-input")
-        event("export_sources", files=len(sources), bytes=sum(x["bytes"] for x in sources), gzip=sum(x["gzip"] for x in sources))
-        event("export_counts", **c)
-        ok = ["ok" if x else "MISMATCH" for x in (c["input"] == c["exported"] + c["rejected"] + c["duplicates"],
-                                                  c["exported"] == c["train"] + c["valid"] + c["test"])]
-        print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + duplicates "
-              f"{c['duplicates']} {ok[0]}; exported {c['exported']} = train {c['train']} + valid {c['valid']} + test "
-              f"{c['test']} {ok[1]}", flush=True)
-        event("export_split", rule="sha256(record_id)", ratios="/".join(f"{float(v):g}" for v in s["ratios"].values()))
-        print(f"export_rejects {' '.join(f'{k} {v}' for k, v in r['by_reason'].items() if v) or 'none'}", flush=True)
-        event("export_derived", **r["derived"])
+        report(r)
         if c["rejected"] > limit:
             os.replace(tmp / "rejects.jsonl", failed)
             raise fail(f"{c['rejected']} of {c['input']} lines rejected, over the threshold {s['max_reject_ratio']:g} x "
@@ -499,8 +486,6 @@ def main() -> int:
             raise fail(f"DATASET {args.dataset!r} is not a safe folder name: use letters, digits, '.', '_', '-'",
                        "export-bad-settings")
         out, s = paths.DATASETS / args.dataset if args.dataset else Path(args.out), resolve_settings(args)
-        if args.workers < 1:
-            raise fail(f"--workers {args.workers}: give 1 or more", "export-bad-settings")
         sources = corpus_files(args.corpus, out)
         with lock_and_clean(out):
             why = why_export(out, args, sources, s)
