@@ -284,11 +284,13 @@ def eval_content(args, h: str, f: dict, ref: dict) -> list[dict]:
 
 def model_note(args) -> list[dict]:
     """MODEL when there is no local folder to compare: missing here, or a hub id each host resolves."""
-    missing = not args.model_local and args.model.startswith((".", "/", "models/"))
-    return [] if args.model_local else [check("model", "local" if missing else "-", "fail" if missing else "pass",
-        f"MODEL {args.model} does not exist here" if missing else f"skipped: MODEL {args.model} is a hub id (each host "
-        "resolves it from its own cache)" if args.model else "skipped: no MODEL", "generate it (make tiny-model) or "
-        "set MODEL=; see RUNBOOK.md#parity-model")]
+    if args.model_local:
+        return []
+    if args.model.startswith((".", "/", "models/")):
+        return [check("model", "local", "fail", f"MODEL {args.model} does not exist here",
+                      "generate it (make tiny-model) or set MODEL=; see RUNBOOK.md#parity-model")]
+    return [check("model", "-", "pass", f"skipped: MODEL {args.model} is a hub id (each host resolves it from its "
+                  "own cache)" if args.model else "skipped: no MODEL")]
 
 
 def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
