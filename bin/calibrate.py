@@ -3,25 +3,16 @@
 what they predict: a per-rank batch and the expected speedup of the world over one host.
 
 Usage:
-    python bin/calibrate.py --hostfile HOSTFILE --model MODEL --config CONFIG --remote-root DIR
-        --python PY [--budget-s 120] [--max-batch 64] [--steps 3] [--mem-fraction 0.8]
-        [--min-bytes 4096] [--max-bytes 268435456] [--port P] [--out-dir runs] [--skip-compute]
+    python bin/calibrate.py --hostfile HOSTFILE --model MODEL --config CONFIG --remote-root DIR --python PY [options]
 Example (what `make calibrate` runs after sync and check-parity):
     python bin/calibrate.py --hostfile hostfile.json --model models/tiny-gemma4 \
         --config configs/stage1.yaml --remote-root "$PWD" --python "$PWD/.venv/bin/python"
 
-1. compute, one host at a time over ssh (as the control runs): bin/train.py's model preparation,
-   optimizer and compiled step on random max_seq_length batches of 1, 2, 4, ... and the config's
-   sizes, until the predicted peak memory passes --mem-fraction of the ceiling (Metal's working
-   set; Linux: MemAvailable), an allocation fails, or --budget-s would run out.
-2. link, every rank under mlx.launch: that step (its gradient all-reduce included) at the per-rank
-   batch with every rank computing, the all-reduce alone, all_sum of --min-bytes..--max-bytes
-   (busbw = bytes / time x 2(N-1)/N, as slow as the slowest rank) and one bare TCP baseline:
-   --max-bytes both ways at once between rank 0 and rank 1's hostfile IP. glibc ranks keep freed
-   memory for reuse, as Metal's buffer cache does.
-expected_speedup = control step (rank 0's host alone at batch_size) / dual step (the slowest rank
-at batch_size / N with every rank computing). Writes runs/calibration-<UTC>.json (compare and plan
-read it). Exit 0 written, 1 a phase failed (nothing written), 2 bad input.
+compute: one host at a time over ssh, bin/train.py's compiled step at batch 1, 2, 4, ... and the config's
+sizes, until memory (--mem-fraction of the ceiling) or --budget-s says stop. link: every rank under
+mlx.launch: that step at the per-rank batch, the gradient all-reduce, all_sum --min-bytes..--max-bytes
+(busbw) and one bare TCP baseline. expected_speedup = control step / dual step (see speedup_model).
+Writes runs/calibration-<UTC>.json. Exit 0 written, 1 a phase failed (nothing written), 2 bad input.
 """
 
 from __future__ import annotations
@@ -69,8 +60,7 @@ def memory_ceiling(mx) -> tuple[int | None, str]:
 
 # ---- host side: the trainer's step ----------------------------------------------------------
 class Stepper:
-    """bin/train.py's own model preparation, optimizer and compiled step (its gradient all-reduce
-    included: a no-op on one host) on random full-length batches: the trainer without its data."""
+    """bin/train.py's own model preparation, optimizer and compiled step on random full-length batches."""
 
     def __init__(self, cfg: dict):
         import importlib.util
@@ -177,8 +167,8 @@ def compute_probe(spec: dict) -> int:
 
 # ---- host side: every rank at once under mlx.launch -------------------------------------------
 def keep_freed_memory() -> bool:
-    """glibc: no block gets its own mmap and the heap is never trimmed, as Metal's buffer cache keeps
-    buffers (else every large all_sum output faults in fresh pages and the curve measures that)."""
+    """glibc: never mmap a block nor trim the heap, as Metal's buffer cache keeps buffers (else the curve
+    measures page faults of fresh all_sum outputs)."""
     import ctypes
 
     if platform.libc_ver()[0] != "glibc":
@@ -293,8 +283,7 @@ def step_time_at(sweep: list[dict], b: int) -> tuple[float | None, str]:
 
 
 def max_fitting_batch(host: dict) -> tuple[int | None, str]:
-    """(batch, kind): the largest measured batch within memory; "measured" when the sweep stopped at
-    memory (the next size does not fit), else "lower_bound" (a larger one may fit: not measured)."""
+    """(largest batch within memory, "measured" when memory stopped the sweep, else "lower_bound")."""
     fit = [r["batch"] for r in host.get("sweep", []) if not r.get("over_memory")]
     return (max(fit) if fit else None), "measured" if host.get("stopped", {}).get("reason") == "memory" else "lower_bound"
 
@@ -522,17 +511,12 @@ def orchestrate(args) -> int:
         time.sleep(1)
         path = Path(args.out_dir) / f"calibration-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     atomic.write_json(path, doc)
-    rec, sp, link = doc["recommendation"], doc["speedup"], doc["link"] or {}
-    if link.get("tcp"):
-        print(f"link: all_sum busbw {link['bandwidth_gbps']['busbw_best']:.3f} GB/s at {link['bandwidth_gbps']['bytes']} B "
-              f"= {link['tcp']['allsum_over_tcp']:.2f} x bare TCP both ways at once ({link['tcp']['both_directions_gbps']:.3f} "
-              f"GB/s each way); latency {link['latency_us']['mean']:.0f} us", flush=True)
+    rec, sp = doc["recommendation"], doc["speedup"]
     print("recommendation: " + (rec.get("error") or f"per-rank batch {rec['per_rank_batch']} x accumulation "
                                 f"{rec['grad_accumulation_steps']}: {rec['why']}"), flush=True)
-    if sp.get("t_dual_step_s"):
+    if sp.get("t_dual_step_s"):  # the link's figures are in the file
         print(f"speedup: control step {sp['t_control_step_s']:.4f} s / dual step {sp['t_dual_step_s']:.4f} s "
-              f"(all-reduce {sp['t_grad_allreduce_s']:.4f} s; {sp['dual_how']}); shared machine "
-              f"{doc['shared_machine']}", flush=True)
+              f"(all-reduce {sp['t_grad_allreduce_s']:.4f} s); shared machine {doc['shared_machine']}", flush=True)
     event("calibrate-done", file=paths.rel(path), expected_speedup=doc["expected_speedup"] or "unknown",
           unknown=",".join(doc["unknown"]) or "-", wall_s=doc["wall_s"])
     return 0
