@@ -3,20 +3,15 @@
 
 Usage:
     python bin/plan.py --hostfile HOSTFILE --config CONFIG --model MODEL --dataset NAME \
-        --remote-root DIR --python PY [--run RUN] [--calibration FILE] [--parity FILE]
-        [--runs-dir runs] [--max-parity-age-s 3600] [--min-speedup X] [--json] [--strict]
+        --remote-root DIR --python PY [--run RUN] [--calibration FILE] [--parity FILE] [--json] [--strict]
 Example (what `make plan` runs):
     python bin/plan.py --hostfile hostfile.json --config configs/stage1.yaml --model models/tiny-gemma4 \
         --dataset domain_sft_v1_high_signal_thunder --remote-root "$PWD" --python "$PWD/.venv/bin/python"
 
-The planning assistant's sections (strategy ... pre_flight_checklist), plus `sources` and
-`unknowns`, filled from the hostfile, the config, the dataset manifest, the newest check-parity
-result (runs/parity/last.json), the newest calibration (used only when measured for these hosts,
-this model and these LoRA/sequence settings) and the run's sync.json, smoke.json, metrics.jsonl.
-A value that cannot be known is `{"value": null, "unknown": "<why>: <command>"}`, never a guess.
-The plan is checked against SCHEMA, then written to runs/plan-<UTC>.json and runs/plan.json
-(atomic). Prints one line per pre-flight check. Exit 0 written (1 with --strict unless every
-check passes), 2 bad input, 3 the plan breaks its own schema (a bug).
+Sections from the hostfile, config, dataset manifest, runs/parity/last.json, the newest matching
+calibration and the run's sync/smoke/metrics; what cannot be known is {"value": null, "unknown": "<why>"}.
+Checked against SCHEMA, written to runs/plan-<UTC>.json and runs/plan.json. Exit 0 written (1 with
+--strict unless every check passes), 2 bad input, 3 the plan breaks its own schema (a bug).
 """
 
 from __future__ import annotations
