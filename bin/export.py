@@ -105,24 +105,22 @@ def resolve_settings(args) -> dict:
     s.update({k: v for k in FLAGS if (v := getattr(args, k)) is not None})
     if isinstance(s["ratios"], str):  # --ratios 0.9,0.05,0.05
         s["ratios"] = dict(zip(SPLITS, s["ratios"].split(","), strict=False))
-    bad = [f"unknown key(s) {', '.join(sorted(set(s) - set(DEFAULTS)))} (known: {', '.join(DEFAULTS)})"] * bool(
-        set(s) - set(DEFAULTS))
-    unknown = sorted(set(s["fields"]) - set(FIELDS)) if isinstance(s["fields"], dict) else [repr(s["fields"])]
-    if unknown:
-        bad.append(f"unknown canonical field(s) {', '.join(unknown)} (fields maps canonical names to corpus names, "
-                   f"e.g. {{text: body}}; known: {', '.join(FIELDS)})")
-    if not isinstance(s["roles"], dict) or not set(s["roles"].values()) <= {"system", "user", "assistant"}:
-        bad.append("roles must map corpus roles to system|user|assistant, e.g. {human: user, gpt: assistant}")
     ratios = s["ratios"] if isinstance(s["ratios"], dict) and set(s["ratios"]) == set(SPLITS) else {}
-    r, mrr = {k: number(ratios.get(k)) for k in SPLITS}, number(s["max_reject_ratio"])
-    bad += [f"ratios.{k} must be > 0 (ratios are train, valid, test; each split gets records)"
-            for k in SPLITS if r[k] is None or r[k] <= 0]
-    if mrr is None or not 0 <= mrr <= 1:
-        bad.append("max_reject_ratio must be a number within 0..1")
-    if type(s["max_chars"]) is not int or s["max_chars"] <= 0:
-        bad.append(f"max_chars must be a positive integer, not {s['max_chars']!r}")
-    if not isinstance(s["text_system_prompt"], str) or not str(s["text_user_prompt"]).strip():
-        bad.append("text_system_prompt must be a string and text_user_prompt a non-empty string")
+    r, mrr, fields = {k: number(ratios.get(k)) for k in SPLITS}, number(s["max_reject_ratio"]), s["fields"]
+    odd_fields = sorted(set(fields) - set(FIELDS)) if isinstance(fields, dict) else [repr(fields)]
+    checks = [  # (wrong?, what it must be)
+        (set(s) - set(DEFAULTS), f"unknown key(s) {', '.join(sorted(set(s) - set(DEFAULTS)))} (known: {', '.join(DEFAULTS)})"),
+        (odd_fields, f"unknown canonical field(s) {', '.join(odd_fields)} (fields maps canonical names to corpus names, "
+                     f"e.g. {{text: body}}; known: {', '.join(FIELDS)})"),
+        (not isinstance(s["roles"], dict) or not set(s["roles"].values()) <= {"system", "user", "assistant"},
+         "roles must map corpus roles to system|user|assistant, e.g. {human: user, gpt: assistant}"),
+        *[(r[k] is None or r[k] <= 0, f"ratios.{k} must be > 0 (ratios are train, valid, test; each split gets records)")
+          for k in SPLITS],
+        (mrr is None or not 0 <= mrr <= 1, "max_reject_ratio must be a number within 0..1"),
+        (type(s["max_chars"]) is not int or s["max_chars"] <= 0, f"max_chars must be a positive integer, not {s['max_chars']!r}"),
+        (not isinstance(s["text_system_prompt"], str) or not str(s["text_user_prompt"]).strip(),
+         "text_system_prompt must be a string and text_user_prompt a non-empty string")]
+    bad = [what for wrong, what in checks if wrong]
     if bad:
         raise fail(f"{where}: {'; '.join(bad)}", "export-bad-settings")
     return {**s, "ratios": {k: r[k] / sum(r.values()) for k in SPLITS}, "max_reject_ratio": float(mrr)}
