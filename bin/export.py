@@ -248,7 +248,7 @@ class Shaper:
                      "(remap names with --field)")
 
     def record(self, raw: bytes, lineno: int, fname: str) -> tuple:
-        """(output line, split, record_id key, content key, derived: 1 record_id, 2 weight, 4 source) or Reject."""
+        """(output line, split, record_id key, content key, the provenance fields derived) or Reject."""
         if len(raw) > self.limit:
             raise Reject("too_long", f"line is over {self.limit} bytes (8 x max_chars + 64 KiB)")
         if not raw or raw.isspace():
@@ -289,8 +289,8 @@ class Shaper:
         line = (f'{{"messages": {mj}, "record_id": {ENC(key)}, "weight": {1.0 if w is MISSING else float(w) + 0.0!r}, '
                 f'"source": {ENC(fname if src is MISSING else src)}}}\n')
         split = 0 if rd[:8] < self.bounds[0] else 1 if rd[:8] < self.bounds[1] else 2
-        return (line.encode(), split, int.from_bytes(rd, "big"), int.from_bytes(cd, "big"),
-                (rid is MISSING) | (w is MISSING) << 1 | (src is MISSING) << 2)
+        derived = tuple(k for k, v in (("record_id", rid), ("weight", w), ("source", src)) if v is MISSING)
+        return line.encode(), split, int.from_bytes(rd, "big"), int.from_bytes(cd, "big"), derived
 
 
 def init_worker(s: dict, parent: int) -> None:
@@ -370,8 +370,8 @@ def take(r: dict, task: tuple, result) -> None:
             contents.add(rec[3])
             c[SPLITS[rec[1]]] += 1
             outs[SPLITS[rec[1]]].write(rec[0])
-            for bit, key in ((1, "record_id"), (2, "weight"), (4, "source")) if rec[4] else ():
-                r["derived"][key] += bool(rec[4] & bit)
+            for key in rec[4]:
+                r["derived"][key] += 1
 
 
 def build_manifest(name: str, sources: list[dict], r: dict, s: dict) -> dict:
