@@ -261,7 +261,7 @@ launchd-plist: $(VENV)/.stamp
 	$(PY) bin/schedule.py launchd-plist --every-min $(EVERY) -- $(PARITY_ARGS)
 
 ## demo: the whole chain on hostfile.local.json with the sample corpus and the tiny model; prints the report's path
-# The demo's own dataset (datasets/sample) and model (models/tiny-gemma4): it never touches
+# The demo's own dataset (datasets/demo) and model (models/tiny-gemma4): it never touches
 # the operator's settings. Two ranks on one machine cannot be faster than one: the demo
 # accepts any speedup (MIN_SPEEDUP=0) and the report still shows the measured one.
 DEMO_RUN         ?= demo
@@ -269,7 +269,7 @@ DEMO_HOSTFILE    ?= hostfile.local.json
 DEMO_REMOTE_ROOT ?= $(CURDIR)
 DEMO_VARS = RUN=$(DEMO_RUN) HOSTFILE=$(DEMO_HOSTFILE) REMOTE_ROOT=$(DEMO_REMOTE_ROOT) \
 	PYTHON=$(CURDIR)/$(VENV)/bin/python MODEL=models/tiny-gemma4 CONFIG=configs/demo.yaml \
-	CORPUS=datasets/sample/corpus.jsonl DATASET=sample MIN_SPEEDUP=0 SETTINGS=/dev/null
+	CORPUS=datasets/sample/corpus.jsonl DATASET=demo MIN_SPEEDUP=0 SETTINGS=/dev/null
 .PHONY: demo
 demo: $(VENV)/.stamp
 	$(MAKE) --no-print-directory tiny-model sample-corpus ARCH=gemma4
