@@ -22,8 +22,8 @@ text part) and llama.
 
 Usage:
     from lib import loss as L
-    train_loss = L.make_loss(chunk_tokens=256)             # default_loss's signature
-    eval_loss = L.make_loss(chunk_tokens=256, grad=False)  # forward only (evaluate)
+    train_loss = L.make_loss(chunk_tokens=64)              # default_loss's signature
+    eval_loss = L.make_loss(chunk_tokens=64, grad=False)   # forward only (evaluate)
     L.supported(model)                                     # True for the models above
     L.logits_bytes("chunked", 4 * 2048, 262144)            # the loss's own memory, for plan
 
@@ -116,7 +116,7 @@ def chunk_loss_and_grad(h: mx.array, t: mx.array, m: mx.array, ops, cap) -> mx.a
     """[n, hidden + 1] float32: d(sum of the chunk's masked losses)/dh, then the per-token loss.
 
     One array, so that evaluating either half computes the chunk's logits once. Under
-    mx.compile it holds two [n, vocab] float32 arrays (y and g) at a time."""
+    mx.compile its [n, vocab] float32 arrays are z, y and g (CHUNKED_ARRAYS for the peak)."""
     logits, back, rows = ops
     r = rows(t)
     y = softcapped(logits(h).astype(mx.float32), cap)
@@ -141,7 +141,7 @@ def chunks(fn, h: mx.array, t: mx.array, m: mx.array, ops, cap, size: int) -> li
     return out
 
 
-def batch_parts(model, batch: mx.array, lengths: mx.array) -> tuple:
+def batch_parts(batch: mx.array, lengths: mx.array) -> tuple:
     """default_loss's inputs, targets, mask and ntoks, built exactly as it builds them."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     steps = mx.arange(1, targets.shape[1] + 1)
@@ -158,10 +158,10 @@ def make_loss(chunk_tokens: int = CHUNK_TOKENS, grad: bool = True):
 
     def loss(model, batch, lengths):
         backbone, head, cap = parts(model)
-        inputs, targets, mask, ntoks = batch_parts(model, batch, lengths)
+        inputs, targets, mask, ntoks = batch_parts(batch, lengths)
         h = backbone(inputs)
-        shape, n = h.shape, h.shape[0] * h.shape[1]
-        h, t, m = h.reshape(n, shape[-1]), targets.reshape(n), mask.reshape(n).astype(mx.float32)
+        n = h.shape[0] * h.shape[1]
+        h, t, m = h.reshape(n, h.shape[-1]), targets.reshape(n), mask.reshape(n).astype(mx.float32)
         ops = head_ops(head)
         if not grad:
             return mx.concatenate(chunks(chunk_loss, h, t, m, ops, cap, chunk_tokens)).sum() / ntoks, ntoks
