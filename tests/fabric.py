@@ -785,9 +785,17 @@ def login_bashrc() -> str | None:
     return rc if os.path.isfile(rc) and not os.path.islink(rc) else None
 
 
+def pin_prefix(name: str) -> list[str]:
+    """With FABRIC_PIN=1 (or `up --pin`), host fabN's sshd, and so every process started over ssh,
+    runs on core (N-1) % ncpu: each host its own core, like separate Macs. Default off."""
+    if os.environ.get("FABRIC_PIN") != "1":
+        return []
+    return ["taskset", "-c", str((int(re.sub(r"\D", "", name) or 1) - 1) % (os.cpu_count() or 1))]
+
+
 def start_sshd_process(h: dict, hd: Path) -> None:
     (hd / "sshd.pid").unlink(missing_ok=True)
-    spawn_detached(["nsenter", "-t", str(h["anchor"]["pid"]), "-m", "-n", "-u", "--",
+    spawn_detached([*pin_prefix(h["name"]), "nsenter", "-t", str(h["anchor"]["pid"]), "-m", "-n", "-u", "--",
                     SSHD, "-D", "-f", str(hd / "sshd_config"), "-E", str(hd / "sshd.log")], hd / "sshd.out")
 
 
@@ -1269,6 +1277,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--python", help="the hosts' PYTHON (default: this checkout's .venv/bin/python)")
     u.add_argument("--owner-pid", type=int, default=int(os.environ.get("FABRIC_OWNER_PID") or 0) or None,
                    help="a process whose exit makes this fabric stale for `sweep` (the pytest session)")
+    u.add_argument("--pin", action="store_true", help="each host's processes on its own core (env FABRIC_PIN=1)")
     sub.add_parser("down", help="remove everything `up` made")
     s = sub.add_parser("status", help="one line per host; exit 0 healthy, 1 degraded, 3 not up")
     s.add_argument("--json", action="store_true")
@@ -1328,6 +1337,8 @@ def main() -> int:
             return sweep()
         sp = make_spec(a.dir, a.prefix, a.subnet)
         if a.cmd == "up":
+            if a.pin:
+                os.environ["FABRIC_PIN"] = "1"
             up(sp, a.hosts, fresh=a.fresh, python=a.python, owner_pid=a.owner_pid)
             return 0
         if a.cmd == "down":
