@@ -5,10 +5,9 @@
                                hashes, val loss), manifest.json ({"files": {name: {sha256, bytes}}})
     checkpoints/latest         `step-0000300`, written last
 
-A checkpoint is built in a hidden temporary folder, fsync'd file by file (F_FULLFSYNC on macOS),
-renamed into place, then `latest` is replaced: a kill leaves a complete folder or a hidden
-temporary that is swept. Resume takes the newest folder whose manifest verifies and says why it
-skipped newer ones. No mlx here: the trainer passes callables that write the files.
+Built in a hidden temporary folder, fsync'd file by file (F_FULLFSYNC on macOS), renamed into
+place, then `latest` replaced: a kill leaves a complete folder or a swept temporary. Resume takes
+the newest folder that verifies. No mlx here: the trainer passes callables that write the files.
 
     path = checkpoint.save(root, 300, {"adapters.safetensors": write_fn, ...}, state)
     chosen, skipped, notes = checkpoint.find_resume(root)
@@ -74,8 +73,7 @@ def save(root: os.PathLike | str, step: int, writers: dict[str, Callable[[Path],
 
 
 def verify(path: os.PathLike | str) -> tuple[bool, str]:
-    """(True, "ok") when the manifest lists every required file and every listed file has its
-    sha256 and state.json its step; else (False, the reason)."""
+    """(True, "ok") when every required and listed file has its manifest sha256; else (False, why)."""
     path = Path(path)
     if not (m := NAME_RE.match(path.name)):
         return False, f"{path.name} is not a checkpoint folder name"
@@ -92,10 +90,8 @@ def verify(path: os.PathLike | str) -> tuple[bool, str]:
     for name, digest in listed.items():
         if not (path / name).is_file() or sha256_file(path / name) != digest:
             return False, f"{name} is missing" if not (path / name).is_file() else f"sha256 mismatch in {name}"
-    try:
-        state = read_state(path)
-    except (OSError, ValueError) as e:
-        return False, f"{STATE} does not parse ({e})"
+    if not (state := _state(path)):
+        return False, f"{STATE} does not parse"
     if state.get("format_version") != FORMAT_VERSION:
         return False, f"format_version {state.get('format_version')!r} is not {FORMAT_VERSION}"
     if state.get("step") != int(m.group(1)):
@@ -116,16 +112,13 @@ def listing(root: os.PathLike | str) -> list[Path]:
 
 
 def latest_pointer(root: os.PathLike | str) -> str | None:
-    try:
-        text = (Path(root) / LATEST).read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        return None
+    path = Path(root) / LATEST
+    text = path.read_text(encoding="utf-8", errors="replace").strip() if path.is_file() else ""
     return text if NAME_RE.match(text) else None
 
 
 def find_resume(root: os.PathLike | str) -> tuple[Path | None, list[tuple[str, str]], list[str]]:
-    """The newest verified checkpoint, the (name, reason) of each newer one skipped, and notes
-    (the `latest` pointer disagreeing with what was found)."""
+    """The newest verified checkpoint, (name, reason) of each newer one skipped, notes on `latest`."""
     skipped, chosen = [], None
     for p in listing(root):
         ok, why = verify(p)
@@ -158,17 +151,18 @@ def sweep_temporaries(root: os.PathLike | str) -> list[str]:
     return removed
 
 
+def _state(path: Path) -> dict:
+    """A listed folder's state, {} when it does not read (verify says why)."""
+    try:
+        return read_state(path)
+    except (OSError, ValueError):
+        return {}
+
+
 def best(root: os.PathLike | str) -> tuple[str, float] | None:
-    """(name, val_loss) of the checkpoint with the lowest validation loss."""
-    out = None
-    for p in listing(root):
-        try:
-            loss = read_state(p).get("val_loss")
-        except (OSError, ValueError):
-            continue
-        if isinstance(loss, (int, float)) and (out is None or loss < out[1]):
-            out = (p.name, float(loss))
-    return out
+    """(name, val_loss) of the checkpoint with the lowest validation loss (the newest on a tie)."""
+    scored = [(p.name, float(v)) for p in listing(root) if isinstance(v := _state(p).get("val_loss"), (int, float))]
+    return min(scored, key=lambda x: x[1]) if scored else None
 
 
 def prune(root: os.PathLike | str, keep_last_k: int) -> list[str]:
@@ -178,12 +172,7 @@ def prune(root: os.PathLike | str, keep_last_k: int) -> list[str]:
         raise ValueError("keep_last_k must be at least 2")
     root, folders = Path(root), listing(root)
     keep = {p.name for p in folders[:keep_last_k]} | {latest_pointer(root), (best(root) or (None,))[0]}
-    for p in folders:
-        try:
-            keep |= {p.name} if read_state(p).get("final") else set()
-        except (OSError, ValueError):
-            continue
-    deleted = [p.name for p in folders if p.name not in keep]
+    deleted = [p.name for p in folders if p.name not in keep and not _state(p).get("final")]
     for name in deleted:
         _remove(root, root / name, "deleting")
     if deleted:
