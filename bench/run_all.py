@@ -1,30 +1,31 @@
 #!/usr/bin/env python3
-"""run_all: every benchmark, at sizes that finish in under 10 minutes on a 2-core machine,
+"""run_all: every benchmark, at sizes that finish in under 15 minutes on a 2-core machine,
 collected into bench/results.json and summarized in bench/README.md.
 
 Usage:
-    python bench/run_all.py [--only NAME,...] [--skip NAME,...] [--deadline-s 570]
+    python bench/run_all.py [--only NAME,...] [--skip NAME,...] [--deadline-s 870]
                             [--json bench/results.json] [--readme bench/README.md] [--no-readme]
 
 Example (what `make bench` runs):
     .venv/bin/python bench/run_all.py
-    .venv/bin/python bench/run_all.py --only scaling,smoke
+    .venv/bin/python bench/run_all.py --only scaling,loss
 
 Benchmarks, in order (NAME: what runs):
     export        bench/bench_export.py --records 200000 --repeat 3
     check_parity  bench/bench_check_parity.py --runs 3          (its own 3-host fabric)
     sync          bench/bench_sync.py --mb 200                   (its own 2-host fabric)
-    trainer       bench/bench_trainer.py --config configs/demo.yaml --iters 20 --runs 3
+    trainer       bench/bench_trainer.py --config configs/demo.yaml --iters 20 --runs 2
                   (bin/train.py vs raw `mlx_lm lora`, and the checkpoint overhead)
+    loss          bench/bench_loss.py: chunked loss vs default_loss, peak memory and step time
+    scaling       bench/bench_scaling.py --runs 2: dual / control on 2 pinned fabric hosts and
+                  calibrate's prediction of it (pinned_dual_speedup, speedup_prediction_error)
     smoke         `make smoke` on 2 fabric hosts: wall clock against its two trainer launches
-    scaling       bin/train.py on 1, 2, 3 fabric hosts with a fixed per-rank batch (2 at the demo
-                  config's 192 tokens): steady-state tok/s of the group, each against 1 rank
     link          bin/calibrate.py --skip-compute on 2 fabric hosts: all_sum bus bandwidth at
                   256 MiB against a bare TCP transfer both ways at once between the same hosts
-The last three share one 3-host fabric this script brings up (runs/fabric-bench-all-<pid>) and
+The last two share one 3-host fabric this script brings up (runs/fabric-bench-all-<pid>) and
 takes down. Each benchmark prints `name: value (ratio vs baseline)` lines; they are collected
 with the command, exit status, wall time and the load average before and after. A benchmark
-that would not finish before --deadline-s (default 570 s from the start) is skipped and says
+that would not finish before --deadline-s (default 870 s from the start) is skipped and says
 so. Writes bench/results.json (git-ignored) and rewrites the summary between the markers in
 bench/README.md with the command and the machine (uname, cores, memory, Python, mlx). Exit 0
 when every benchmark ran and met its target, 1 when one missed a target, 2 when one failed or
@@ -40,7 +41,6 @@ import platform
 import re
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,16 +51,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from lib import atomic, launch  # noqa: E402
-from lib.hostfile import load as load_hostfile  # noqa: E402
+from lib import atomic  # noqa: E402
 
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 MODEL = "models/tiny-gemma4"
 DATASET = "domain_sft_v1_high_signal_thunder"
 LINE = re.compile(r"^([a-z][a-z0-9_]*): (-?[0-9][0-9.e+-]*)(?: \((.*)\))?\s*$")
 BEGIN, END = "<!-- bench-summary:begin -->", "<!-- bench-summary:end -->"
-PER_RANK_BATCH = 2
-SCALE_STEPS = 12
 
 EXTERNAL = [
     # Repeated, alternating with their baselines (medians or the least disturbed of each): a
@@ -68,9 +65,11 @@ EXTERNAL = [
     ("export", ["bench/bench_export.py", "--records", "200000", "--repeat", "3"], 150),
     ("check_parity", ["bench/bench_check_parity.py", "--runs", "3"], 150),
     ("sync", ["bench/bench_sync.py", "--mb", "200"], 150),
-    ("trainer", ["bench/bench_trainer.py", "--config", "configs/demo.yaml", "--iters", "20", "--runs", "3"], 300),
+    ("trainer", ["bench/bench_trainer.py", "--config", "configs/demo.yaml", "--iters", "20", "--runs", "2"], 240),
+    ("loss", ["bench/bench_loss.py"], 120),
+    ("scaling", ["bench/bench_scaling.py", "--runs", "2"], 90),  # its own 2-host pinned fabric
 ]
-FABRIC = [("smoke", 240), ("scaling", 240), ("link", 150)]
+FABRIC = [("smoke", 240), ("link", 150)]
 NAMES = [n for n, *_ in EXTERNAL] + [n for n, _ in FABRIC]
 
 
@@ -79,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(NAMES)}")
     p.add_argument("--skip", default="", help="comma-separated benchmarks to leave out")
-    p.add_argument("--deadline-s", type=float, default=570.0, help="skip what would end after this (default 570)")
+    p.add_argument("--deadline-s", type=float, default=870.0, help="skip what would end after this (default 870)")
     p.add_argument("--json", default=str(ROOT / "bench" / "results.json"))
     p.add_argument("--readme", default=str(ROOT / "bench" / "README.md"))
     p.add_argument("--no-readme", action="store_true", help="do not rewrite the README summary")
@@ -196,49 +195,6 @@ class FabricBench:
         return [emit("smoke_wall_s", wall, f"ratio {wall / launches:.2f} vs its two trainer launches {launches:.1f} s; "
                      "the rest is sync, check-parity, manifest, sweep, fetch and the criteria; 2 fabric hosts")]
 
-    def train(self, n: int) -> dict:
-        """bin/train.py on n hosts, per-rank batch fixed, no validation, one checkpoint at the end."""
-        run = f"bench-scale{n}-{os.getpid()}"
-        run_rel = f"runs/{run}"
-        self.made.append(ROOT / run_rel)
-        hfp = self.fab.hostfile(n)
-        hf = load_hostfile(hfp)
-        targs = ["--config", "configs/demo.yaml", "--model", MODEL, "--data", f"datasets/{DATASET}",
-                 "--run-dir", run_rel, "--batch-size", str(PER_RANK_BATCH * n), "--iters", str(SCALE_STEPS),
-                 "--save-every", str(SCALE_STEPS), "--steps-per-report", str(SCALE_STEPS), "--val-batches", "0",
-                 "--test-batches", "1", "--expect-world-size", str(n)]
-        argv = launch.launch_argv(str(hfp), hf, self.fab.python, self.fab.remote_root, targs)
-        old = os.environ.copy()
-        os.environ.update(self.env)
-        try:
-            res = launch.run_watched(argv, ROOT / run_rel / "logs" / "bench.log", 300)
-            launch.sweep(hf, run_rel)
-            launch.fetch(hf, run_rel, self.fab.remote_root)
-        finally:
-            os.environ.clear()
-            os.environ.update(old)
-        steps = [m for m in launch.metrics(ROOT / run_rel) if m.get("kind") == "step"]
-        if res.returncode or len(steps) < SCALE_STEPS:
-            raise RuntimeError(f"training on {n} host(s) failed (exit {res.returncode}, {len(steps)} steps); "
-                               f"see {run_rel}/logs/bench.log")
-        steady = steps[1:]  # the first step compiles
-        tokens = sum(s["tokens"] for s in steady)
-        secs = sum(s["step_s"] for s in steady)
-        return {"tok_per_s": tokens / secs, "step_s": statistics.median(s["step_s"] for s in steady),
-                "tokens": tokens, "wall_s": res.wall_s}
-
-    def scaling(self) -> list[str]:
-        res = {n: self.train(n) for n in (1, 2, 3)}
-        base = res[1]["tok_per_s"]
-        lines = []
-        for n in (1, 2, 3):
-            r = res[n]
-            ratio = r["tok_per_s"] / base
-            lines.append(emit(f"scaling_{n}rank_tok_per_s", r["tok_per_s"],
-                              f"ratio {ratio:.2f} vs 1 rank, ideal {n}, efficiency {ratio / n:.2f}; per-rank batch "
-                              f"{PER_RANK_BATCH} x 192 tokens, median step {r['step_s']:.3f} s"))
-        return lines
-
     def link(self) -> list[str]:
         out = Path(tempfile.mkdtemp(prefix="bench-link-", dir=ROOT / "runs"))
         self.made.append(out)
@@ -280,7 +236,6 @@ def run_fabric(names: list[str], deadline: float) -> list[dict]:
         for name in names:
             budget = dict(FABRIC)[name]
             cmd = {"smoke": "make smoke (2 fabric hosts)",
-                   "scaling": f"bin/train.py on 1, 2, 3 fabric hosts, per-rank batch {PER_RANK_BATCH}, {SCALE_STEPS} steps",
                    "link": "python bin/calibrate.py --skip-compute (2 fabric hosts, 4 KiB..256 MiB)"}[name]
             entry = {"name": name, "command": cmd, "exit_code": None, "load_start": load(), "metrics": [], "error": ""}
             if time.monotonic() + budget > deadline:
@@ -314,7 +269,7 @@ def run_fabric(names: list[str], deadline: float) -> list[dict]:
 def summary_md(doc: dict) -> str:
     m = doc["machine"]
     lines = [BEGIN, "",
-             f"Last run: `{doc['command']}` at {doc['started']}, {doc['wall_s']:.0f} s in all (budget 600 s), "
+             f"Last run: `{doc['command']}` at {doc['started']}, {doc['wall_s']:.0f} s in all (budget 900 s), "
              f"load average {doc['load_start']} at the start and {doc['load_end']} at the end.",
              f"Machine: {m['uname']}, {m['cpus']} cores, {m['memory_gib']} GiB, Python {m['python']}, mlx {m['mlx']}, "
              f"mlx-lm {m['mlx_lm']}.", "",
