@@ -135,7 +135,7 @@ CHECKS = {
                             lambda v: isinstance(v, dict) and set(v) <= set(OPTIMIZERS)
                             and all(isinstance(x, dict) for x in v.values())),
     "seed": _int(0), "num_layers": _int(1, -1), "batch_size": _int(1), "iters": _int(1),
-    "val_batches": _int(0, -1), "learning_rate": None,  # see _check_lr: its failure has a category
+    "val_batches": _int(0, -1), "learning_rate": None,  # checked last in validate(): its failure has a category
     "steps_per_report": _int(1), "steps_per_eval": _int(1), "resume_adapter_file": _opt_str,
     "save_every": _int(1), "test": _bool, "test_batches": _int(0, -1), "max_seq_length": _int(2),
     "grad_checkpoint": _bool, "grad_accumulation_steps": _int(1), "clear_cache_threshold": _int(0),
