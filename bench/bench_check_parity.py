@@ -41,10 +41,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-import fabric as fabric_mod  # noqa: E402  (tests/fabric.py)
-from support import copy_code  # noqa: E402  (tests/support.py)
+import fabric_cli  # noqa: E402  (bench/fabric_cli.py: tests/fabric.py through its CLI)
+from fabric_cli import copy_code  # noqa: E402
 
 from lib import atomic, parity  # noqa: E402
 
@@ -120,19 +119,12 @@ def one_run(fab, env: dict, tree: Path, hosts: int) -> float:
 
 def main() -> int:
     args = build_parser().parse_args()
-    why = fabric_mod.unavailable()
-    if why:
-        print(f"error: the fabric cannot run here: {why}", file=sys.stderr)
-        return 2
     own = args.fabric_dir is None
     fdir = Path(args.fabric_dir) if args.fabric_dir else ROOT / "runs" / f"fabric-bench-{os.getpid()}"
-    spec = fabric_mod.make_spec(dir=fdir, prefix=f"fb{os.getpid() % 10**6}", subnet="auto") if own else None
     work = ROOT / "runs" / f"bench-parity-{os.getpid()}"
     tree = work / "tree"
     try:
-        if own:
-            fabric_mod.up(spec, 3)
-        fab = fabric_mod.Fabric(fdir)
+        fab = fabric_cli.up(fdir, f"fb{os.getpid() % 10**6}", 3) if own else fabric_cli.Fabric(fdir)
         if len(fab.hosts) < 3:
             print(f"error: {fdir} has {len(fab.hosts)} hosts; the bench needs 3", file=sys.stderr)
             return 2
@@ -153,7 +145,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if own and not args.keep:
-            fabric_mod.down(spec)
+            fabric_cli.down(fdir)
 
     two, three = statistics.median(times[2]), statistics.median(times[3])
     s2, s3 = statistics.median(ssh[2]), statistics.median(ssh[3])

@@ -37,6 +37,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import fabric_cli  # noqa: E402  (bench/fabric_cli.py: tests/fabric.py through its CLI)
+
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 
 
@@ -89,17 +92,6 @@ def rank_main(a) -> int:
     return 0
 
 
-def fabric_env(d: Path) -> dict:
-    """The client environment env.sh describes (its `export K=V` lines; PATH gets the fabric's bin/)."""
-    env = dict(os.environ)
-    for line in (d / "env.sh").read_text().splitlines():
-        if line.startswith("export ") and "=" in line:
-            k, v = line[len("export "):].split("=", 1)
-            env[k] = v
-    env["PATH"] = f"{d / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
-    return env
-
-
 def run_json(argv: list[str], env: dict | None = None, timeout: float = 300) -> dict:
     p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
                        stdin=subprocess.DEVNULL)
@@ -143,18 +135,16 @@ def main() -> int:
     if a.rank:
         return rank_main(a)
     d = ROOT / "runs" / f"fabric-bench-scaling-{os.getpid()}"
-    fab = [PY, "tests/fabric.py", "--dir", str(d), "--prefix", f"bs{os.getpid() % 10**6}", "--subnet", "auto"]
-    up = subprocess.run([*fab, "up", "--hosts", "2", "--pin"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     try:
-        if up.returncode:
-            print(f"error: pinned fabric up failed:\n{up.stdout[-1500:]}\n{up.stderr[-1500:]}", file=sys.stderr)
-            return 2
-        r = measure(a, fabric_env(d))
+        fab = fabric_cli.up(d, f"bs{os.getpid() % 10**6}", 2, pin=True)
+        env = fab.env()
+        env["HOSTFILE"] = str(fab.hostfile(2))
+        r = measure(a, env)
     except (RuntimeError, subprocess.TimeoutExpired, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        subprocess.run([*fab, "down"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        fabric_cli.down(d)
     b, load = a.batch, [round(x, 2) for x in os.getloadavg()]
     c, du = r["control"], r["dual"]
     speedup = c["step_s"] / du["step_s"]  # both steps process 2 x batch samples

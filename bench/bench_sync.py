@@ -36,9 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from support import write_manifest  # noqa: E402  (tests/support.py)
+import fabric_cli  # noqa: E402  (bench/fabric_cli.py: tests/fabric.py through its CLI)
+from fabric_cli import write_manifest  # noqa: E402
 
 from lib.remote import rsh  # noqa: E402
 
@@ -78,22 +78,14 @@ def dir_bytes(d: Path) -> int:
 
 def main() -> int:
     args = build_parser().parse_args()
-    import fabric as fabric_mod
-
-    why = fabric_mod.unavailable()
-    if why:
-        print(f"bench_sync: skipped: the fabric cannot exist here: {why}")
-        return 2
     fdir = ROOT / "runs" / "fabric-bench-sync"
-    env_up = {"FABRIC_DIR": str(fdir), "FABRIC_PREFIX": "bsync", "FABRIC_SUBNET": "auto"}
-    import os
-
-    env = dict(os.environ, **env_up)
-    subprocess.run(["make", "--no-print-directory", "fabric-up", f"HOSTS={args.hosts}"], cwd=ROOT, env=env,
-                   check=True, capture_output=True)
     name = "bench-sync"
     try:
-        fab = fabric_mod.Fabric(str(fdir))
+        try:
+            fab = fabric_cli.up(fdir, "bsync", args.hosts)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         fenv = fab.env()
         hosts = fab.hosts[: args.hosts]
         hf = fab.hostfile(hosts)
@@ -144,7 +136,7 @@ def main() -> int:
         noop_s = statistics.median(noops)
     finally:
         shutil.rmtree(ROOT / "datasets" / name, ignore_errors=True)
-        subprocess.run(["make", "--no-print-directory", "fabric-down"], cwd=ROOT, env=env, capture_output=True)
+        fabric_cli.down(fdir)
 
     mb = total / 1e6
     bare_s, sync_s = statistics.median(bare_runs), statistics.median(sync_runs)

@@ -49,8 +49,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import fabric_cli  # noqa: E402  (bench/fabric_cli.py: the fabric through its CLI)
 from lib import atomic  # noqa: E402
 
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
@@ -143,22 +144,16 @@ def run_external(name: str, argv: list[str], timeout: float) -> dict:
 
 # ---- the fabric benchmarks --------------------------------------------------------------------
 class FabricBench:
-    """One 3-host fabric for smoke, scaling and link; down at the end, whatever happened."""
+    """One 3-host fabric for smoke and link (tests/fabric.py's CLI); down at the end, whatever happened."""
 
     def __init__(self):
-        import fabric as fabric_mod
-
-        self.mod = fabric_mod
-        pid = os.getpid()
-        self.dir = ROOT / "runs" / f"fabric-bench-all-{pid}"
-        self.spec = fabric_mod.make_spec(dir=self.dir, prefix=f"ba{pid % 10**6}", subnet="auto")
+        self.dir = ROOT / "runs" / f"fabric-bench-all-{os.getpid()}"
         self.fab = None
         self.made: list[Path] = []
         self.missed: set[str] = set()  # benchmarks that ran but missed their target
 
     def up(self) -> None:
-        self.mod.up(self.spec, 3)
-        self.fab = self.mod.Fabric(self.dir)
+        self.fab = fabric_cli.up(self.dir, f"ba{os.getpid() % 10**6}", 3)
         self.env = self.fab.env()
         hf = self.fab.hostfile(3)
         p = subprocess.run([PY, "bin/sync.py", "--hostfile", str(hf), "--remote-root", self.fab.remote_root,
@@ -170,10 +165,7 @@ class FabricBench:
     def down(self) -> None:
         for d in self.made:
             shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
-        try:
-            self.mod.down(self.spec)
-        except Exception as e:  # report, never hide the benchmark results behind a teardown error
-            print(f"warning: fabric down: {e}", file=sys.stderr)
+        fabric_cli.down(self.dir)  # warns, never hides the benchmark results behind a teardown error
 
     def smoke(self) -> list[str]:
         run = f"bench-smoke-{os.getpid()}"
@@ -219,14 +211,7 @@ class FabricBench:
 
 
 def run_fabric(names: list[str], deadline: float) -> list[dict]:
-    import fabric as fabric_mod
-
-    why = fabric_mod.unavailable()
     out = []
-    if why:
-        return [{"name": n, "command": "", "exit_code": None, "status": "skipped", "wall_s": 0, "metrics": [],
-                 "load_start": load(), "load_end": load(), "error": f"the fabric cannot exist here: {why}"}
-                for n in names]
     fb = FabricBench()
     try:
         t0 = time.monotonic()
