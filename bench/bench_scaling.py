@@ -3,6 +3,7 @@
 
 Usage:
     python bench/bench_scaling.py [--width 512] [--layers 4] [--batch 64] [--steps 6] [--runs 2]
+                                  [--throttle-mbit M]
 
 Example (what `make bench` runs through bench/run_all.py):
     .venv/bin/python bench/bench_scaling.py --runs 2
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 ("--batch", 64, "per-rank batch (the control runs 2x)"),
                                 ("--steps", 6, "timed steps per run"), ("--runs", 2, "alternating pairs")):
         p.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
+    p.add_argument("--throttle-mbit", type=float, help="cap each host's veth with `tc ... tbf` (a slow link)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # one rank's (or the control's) loop
     return p
 
@@ -137,10 +139,13 @@ def main() -> int:
     d = ROOT / "runs" / f"fabric-bench-scaling-{os.getpid()}"
     try:
         fab = fabric_cli.up(d, f"bs{os.getpid() % 10**6}", 2, pin=True)
+        for h in fab.state["hosts"] if a.throttle_mbit else []:
+            subprocess.run(["tc", "qdisc", "add", "dev", h["veth"], "root", "tbf", "rate", f"{a.throttle_mbit}mbit",
+                            "burst", "64kb", "latency", "500ms"], check=True, capture_output=True)
         env = fab.env()
         env["HOSTFILE"] = str(fab.hostfile(2))
         r = measure(a, env)
-    except (RuntimeError, subprocess.TimeoutExpired, OSError, KeyError) as e:
+    except (RuntimeError, subprocess.SubprocessError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
@@ -154,7 +159,7 @@ def main() -> int:
     print(f"pinned_dual_speedup: {speedup:.4g} (dual {2 * b / du['step_s']:.1f} vs control {2 * b / c['step_s']:.1f} "
           f"samples/s, target >= 1.8; each rank on-CPU {du['cpu_s'] / du['step_s']:.0%} of its step, the control "
           f"{c['cpu_s'] / c['step_s']:.0%}: the rest is other load on this 2-core machine; on-CPU ratio {cpu_bound:.2f}; "
-          f"MLP {a.layers}x{a.width}, batch {b}/rank, best of {a.runs}, 2 pinned fabric hosts; load {load})")
+          f"MLP {a.layers}x{a.width}, batch {b}/rank, best of {a.runs}, 2 pinned fabric hosts{f', link {a.throttle_mbit:g} Mbit/s' if a.throttle_mbit else ''}; load {load})")
     print(f"speedup_prediction_error: {err:.4g} (calibrate's speedup_model expects {exp:.2f}x vs the on-CPU ratio "
           f"{cpu_bound:.2f}x, target <= 0.15; vs the wall ratio {abs(exp / speedup - 1):.2f}; one rank "
           f"{r['one']['step_s']:.3f} s at batch {b}, gradient all_sum {r['allsum_s'] * 1e3:.1f} ms)")
