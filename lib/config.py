@@ -59,29 +59,27 @@ DEFAULTS: dict[str, Any] = {
     "max_seq_length": 2048, "grad_checkpoint": False, "grad_accumulation_steps": 1,
     "clear_cache_threshold": 0, "lr_schedule": None,
     "lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 20.0}, "mask_prompt": False,
-    "report_to": None, "project_name": None, "trust_remote_code": False,
-    "chat_feature": "messages", "prompt_feature": "prompt", "completion_feature": "completion",
-    "text_feature": "text",
+    "report_to": None, "project_name": None, "trust_remote_code": False, "chat_feature": "messages",
+    "prompt_feature": "prompt", "completion_feature": "completion", "text_feature": "text",
     # ---- runbook keys ----
     "keep_last_k": 3,        # checkpoints kept besides the best-by-validation and the final one (>= 2)
     "watchdog_s": None,      # orchestrator watchdog window (s); null = max(10 x median step, 300)
     "divergence_factor": 4.0,  # a loss above this x the first step's, within the first
     "divergence_window": 50,   # divergence_window steps, stops the run (NaN/inf at any step)
+    "loss": "default",         # default: mlx-lm's default_loss; chunked: lib/loss.py (one chunk of logits)
+    "loss_chunk_tokens": 64,   # rows of hidden states per chunk of the chunked loss
+    "grad_average": "mlx_lm",  # mlx_lm: mean of per-rank means; tokens: sum / global token count
+    "max_grad_norm": None,     # clip the global gradient norm before the step (null: no clipping)
 }
 
 # mlx-lm keys that are refused with the reason (they mean something else in a runbook run).
-REFUSED = {
-    "hf_dataset": "Hugging Face datasets are not used: export to datasets/NAME and set data",
-    "adapter_path": "the trainer writes the adapter to RUN_DIR/adapters; remove the key",
-    "config": "a config cannot name another config",
-}
+REFUSED = {"hf_dataset": "Hugging Face datasets are not used: export to datasets/NAME and set data",
+           "adapter_path": "the trainer writes the adapter to RUN_DIR/adapters; remove the key",
+           "config": "a config cannot name another config"}
 
 # Keys a resume may change; everything else is in config_hash() and must match.
-RESUMABLE = {
-    "model", "data", "iters", "steps_per_report", "save_every", "keep_last_k", "watchdog_s",
-    "report_to", "project_name", "test", "test_batches", "clear_cache_threshold",
-    "trust_remote_code", "resume_adapter_file",
-}
+RESUMABLE = {"model", "data", "iters", "steps_per_report", "save_every", "keep_last_k", "watchdog_s", "report_to",
+             "project_name", "test", "test_batches", "clear_cache_threshold", "trust_remote_code", "resume_adapter_file"}
 
 
 def _int(lo: int, *allow: int):
@@ -102,9 +100,9 @@ def _is(want: str, test):
     return lambda v: None if test(v) else want
 
 
-_bool = _is("true or false", lambda v: isinstance(v, bool))
-_str = _is("a non-empty string", lambda v: isinstance(v, str) and v != "")
+_bool, _str = _is("true or false", lambda v: isinstance(v, bool)), _is("a non-empty string", lambda v: isinstance(v, str) and v != "")
 _opt_str = _is("null or a non-empty string", lambda v: v is None or (isinstance(v, str) and v != ""))
+_opt_pos = _is("null or a finite number > 0", lambda v: v is None or _num(0.0, strict=True)(v) is None)
 
 
 def _lora(v):
@@ -143,8 +141,11 @@ CHECKS = {
     "report_to": _is("null or wandb (the only reporting service this trainer supports)", lambda v: v in (None, "wandb")),
     "project_name": _opt_str, "trust_remote_code": _bool, "chat_feature": _str, "prompt_feature": _str,
     "completion_feature": _str, "text_feature": _str, "keep_last_k": _int(2),
-    "watchdog_s": lambda v: None if v is None else _num(0.0, strict=True)(v),
+    "watchdog_s": _opt_pos,
     "divergence_factor": _num(1.0, strict=True), "divergence_window": _int(0),
+    "loss": _is("default or chunked", lambda v: v in ("default", "chunked")), "loss_chunk_tokens": _int(1),
+    "grad_average": _is("mlx_lm or tokens", lambda v: v in ("mlx_lm", "tokens")),
+    "max_grad_norm": _opt_pos,
 }
 assert set(CHECKS) == set(DEFAULTS)
 
@@ -245,11 +246,8 @@ def check_world(cfg: dict, world_size: int) -> None:
 def set_flag(argv: list[str], flag: str, value: Any) -> list[str]:
     out = list(argv)
     for i, a in enumerate(out):
-        if a == flag and i + 1 < len(out):
-            out[i + 1] = str(value)
-            return out
-        if a.startswith(flag + "="):
-            out[i] = f"{flag}={value}"
+        if (a == flag and i + 1 < len(out)) or a.startswith(flag + "="):
+            out[i:i + 2] = [flag, str(value)] if a == flag else [f"{flag}={value}", *out[i + 1:i + 2]]
             return out
     return out + [flag, str(value)]
 
