@@ -48,6 +48,8 @@ PYTEST_ARGS ?=
 REPLACE     ?=
 CONTROL_HOST ?=
 WATCHDOG    ?=
+RESTARTS    ?=
+FALLBACK    ?=
 PORT        ?=
 SMOKE_CONFIG ?= configs/smoke.yaml
 TOLERANCE   ?=
@@ -194,6 +196,8 @@ PARITY_CMD   = $(PY) bin/check_parity.py $(PARITY_ARGS)
 CAFFEINATE_BIN ?= /usr/bin/caffeinate
 CAFFEINATE   = $(if $(wildcard $(CAFFEINATE_BIN)),$(CAFFEINATE_BIN) -i )
 
+RESTART_ARGS = $(if $(RESTARTS), --restarts $(RESTARTS))$(if $(FALLBACK), --fallback)
+
 # check-parity exit 1 is WARNING (e.g. a slow link): reported, not blocking.
 PARITY_GATE  = $(PARITY_CMD) || [ $$? -eq 1 ]
 
@@ -214,7 +218,7 @@ train: $(STAMPS)/train.$(RUN)
 $(STAMPS)/train.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,train) | $(STAMPS)
 	$(SYNC_CMD)
 	$(PARITY_GATE)
-	$(CAFFEINATE)$(PY) bin/run.py --stage train --config $(CONFIG) $(LAUNCH_ARGS)$(if $(RESUME), --resume)
+	$(CAFFEINATE)$(PY) bin/run.py --stage train --config $(CONFIG) $(LAUNCH_ARGS)$(RESTART_ARGS)$(if $(RESUME), --resume)
 	touch $@
 
 ## control: the single-host control (CONTROL_HOST, default rank 0's) on the same data, seed and global batch
@@ -224,7 +228,7 @@ control: $(STAMPS)/control.$(RUN)
 $(STAMPS)/control.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,control) | $(STAMPS)
 	$(SYNC_CMD)
 	$(PARITY_GATE)
-	$(CAFFEINATE)$(PY) bin/run.py --stage control --config $(CONFIG) $(LAUNCH_ARGS)$(if $(CONTROL_HOST), --control-host $(CONTROL_HOST))
+	$(CAFFEINATE)$(PY) bin/run.py --stage control --config $(CONFIG) $(LAUNCH_ARGS)$(RESTART_ARGS)$(if $(CONTROL_HOST), --control-host $(CONTROL_HOST))
 	touch $@
 
 ## compare: dual vs control vs base on the test split (TOLERANCE=0.02 MIN_SPEEDUP=1 MIN_GAIN=0 TEST_BATCHES=-1); writes runs/$(RUN)/compare/
@@ -233,6 +237,11 @@ $(STAMPS)/control.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,control)
 .PHONY: compare
 compare: $(VENV)/.stamp | $(STAMPS)/train.$(RUN) $(STAMPS)/control.$(RUN)
 	$(PY) bin/compare.py --run $(RUN)$(if $(TOLERANCE), --tolerance $(TOLERANCE))$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))$(if $(MIN_GAIN), --min-gain $(MIN_GAIN))$(if $(TEST_BATCHES), --test-batches $(TEST_BATCHES))
+
+## status: where RUN stands (step, ETA, loss, tok/s and last step per rank, checkpoint, failures, verdict); JSON=1
+.PHONY: status
+status:
+	$(PY) bin/status.py --run $(RUN) --hostfile $(HOSTFILE) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(JSON), --json)
 
 ## calibrate: sync + check-parity, then per-host tok/s and memory, the all_sum curve and the expected speedup -> runs/calibration-<time>.json
 # Phony: a measurement, not a build product. CALIBRATE_ARGS: more bin/calibrate.py flags,

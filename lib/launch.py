@@ -38,6 +38,8 @@ from lib.remote import rsh, run_on, ssh_argv
 STEP_RE = re.compile(r"(?:^|\s)iter (\d+)\b")
 PROGRESS_RE = re.compile(r"(?:^|\s)(?:progress|rank-joined) rank \d+ ")
 DONE_RE = re.compile(r"(?:^|\s)done step \d+")
+RANK_STEP_RE = re.compile(r"(?:^|\s)iter \d+ rank \d+ ")  # every step, every rank: logs only
+REPORT_RE = re.compile(r"iter (?P<step>\d+) train_loss (?P<loss>\S+) .*tok/s (?P<tps>\S+) peak_mem_gb (?P<mem>\S+)")
 DEFAULT_WATCHDOG_S = 300.0
 STAGE_ORDER = ("export", "sync", "smoke", "train", "control", "compare")
 
@@ -186,23 +188,23 @@ def launch_argv(hostfile_path: str, hf: Hostfile, python: str, remote_root: str,
 
 
 class Watch:
-    """Tees the launch's output to the console and the log; a new step or a progress line is
-    progress (step times feed the default window)."""
+    """Tees the launch's output to the log (each line timestamped) and the operator's terminal
+    (not the per-rank `iter N rank R` lines; rank 0's report becomes one `step` line with ETA);
+    a new step or a progress line is progress (step times feed the default window and the ETA)."""
 
-    def __init__(self, res: LaunchResult):
-        self.res, self.lock = res, threading.Lock()
+    def __init__(self, res: LaunchResult, total: int | None = None):
+        self.res, self.lock, self.total = res, threading.Lock(), total
         self.last, self.last_step, self.step_t = time.monotonic(), None, None
 
     def read(self, stream, log_path: Path) -> None:
         with open(log_path, "ab") as log:
             for raw in iter(stream.readline, b""):
-                log.write(raw)
+                log.write(time.strftime("%Y-%m-%dT%H:%M:%SZ ", time.gmtime()).encode() + raw)
                 log.flush()
-                sys.stdout.buffer.write(raw)
-                sys.stdout.buffer.flush()
-                self.saw(raw.decode(errors="replace"), time.monotonic())
+                if (out := self.saw(raw.decode(errors="replace"), time.monotonic())) is not None:
+                    print(out, flush=True)
 
-    def saw(self, text: str, now: float) -> None:
+    def saw(self, text: str, now: float) -> str | None:
         m = STEP_RE.search(text)
         with self.lock:
             self.res.done = self.res.done or bool(DONE_RE.search(text))
@@ -213,6 +215,13 @@ class Watch:
                     self.res.step_times.append((now - self.step_t) / (int(m[1]) - self.last_step))
                 self.last_step, self.step_t, self.last = int(m[1]), now, now
                 self.res.steps.append(self.last_step)
+            if RANK_STEP_RE.search(text):
+                return None
+            if not (r := REPORT_RE.search(text)):
+                return text.rstrip("\n")
+            left = (self.total - int(r["step"])) * statistics.median(self.res.step_times or [0.0]) if self.total else None
+            return (f"step {r['step']}/{self.total or '?'} loss {r['loss']} tok/s {float(r['tps']):.0f} eta "
+                    f"{time.strftime('%H:%M:%S', time.gmtime(left)) if left is not None else '?'} peak_mem_gb {r['mem']}")
 
     def idle(self, window_s: float | None) -> tuple[float, float]:
         with self.lock:
@@ -220,12 +229,13 @@ class Watch:
             return time.monotonic() - self.last, window_s or max(10 * median, DEFAULT_WATCHDOG_S)
 
 
-def run_watched(argv: list[str], log_path: Path, window_s: float | None, cwd: Path = paths.ROOT) -> LaunchResult:
+def run_watched(argv: list[str], log_path: Path, window_s: float | None, cwd: Path = paths.ROOT,
+                total: int | None = None) -> LaunchResult:
     """Run the launch, tee its output, and stop it when no progress is seen for the watchdog
     window (None: max(10 x median step, 300 s))."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0, res = time.monotonic(), LaunchResult(returncode=-1, wall_s=0)
-    watch = Watch(res)
+    watch = Watch(res, total)
     proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     reader = threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)
@@ -396,7 +406,8 @@ def smoke_key(hostfile_path: str, dataset: str, model: str) -> str:
                       "dataset": dataset_sha256(dataset), "model": model_hash(model), "hostfile": sha256_file(hostfile_path)})
 
 
-def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str) -> tuple[LaunchResult, dict, list[str]]:
+def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str,
+                       total: int | None = None) -> tuple[LaunchResult, dict, list[str]]:
     """One launch: run it watched, sweep the hosts, fetch the artifacts, read the ranks' events."""
     launch_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log_name.split('.')[0]}"
     argv = launch_argv(args.hostfile, hf, args.python, args.remote_root,
@@ -404,7 +415,7 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
     event("launch", run=run_rel, world_size=hf.size, cmd=shlex.join(argv))
     log_path = paths.ROOT / run_rel / "logs" / log_name
     offset = log_path.stat().st_size if log_path.is_file() else 0
-    res = run_watched(argv, log_path, args.watchdog)
+    res = run_watched(argv, log_path, args.watchdog, total=total)
     swept, fetched = sweep(hf, run_rel), fetch(hf, run_rel, args.remote_root)
     ev = rank_events(paths.ROOT / run_rel, launch_id)
     ev.update(oom_line=oom_line(log_path, offset), swept=swept, fetched=fetched)

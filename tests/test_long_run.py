@@ -1,0 +1,154 @@
+"""The long run as the operator lives it (issue #16), on the 2-host fabric through make:
+`make status` during and after a run, automatic resume after rank 1 is SIGKILLed
+(RESTARTS=1), and carrying on without a host whose link is cut for good (FALLBACK=1).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import ROOT, make
+from safetensors.numpy import load_file
+
+pytestmark = [pytest.mark.fabric, pytest.mark.slow]
+
+DATASET, MODEL, SMOKED = "domain_sft_v1_high_signal_thunder", "models/tiny-gemma4", "fab-long-smoke"
+HOSTS = ["fab1", "fab2"]
+STATUS_KEYS = {"run", "stage", "running", "reachable", "step", "iters", "eta_s", "train_loss", "loss_trend",
+               "last_val", "ranks", "latest_checkpoint", "failures", "verdict", "status", "why"}
+
+
+def fmake(fabric, *args, **kw):
+    kw.setdefault("timeout", 600)
+    return make(*args, env=fabric.env(), **kw)
+
+
+def fab_vars(fabric, run, **extra):
+    v = {"RUN": run, "HOSTFILE": str(fabric.hostfile(HOSTS)), "REMOTE_ROOT": fabric.remote_root,
+         "PYTHON": fabric.python, "MODEL": MODEL, "DATASET": DATASET, **extra}
+    return [f"{k}={val}" for k, val in v.items()]
+
+
+@pytest.fixture(scope="module")
+def long_cfg(fabric):
+    """A tiny config long enough to be interrupted after a checkpoint, and one passing smoke
+    (a real `make smoke`) that each run's stamp points at."""
+    for d in (ROOT / "runs").glob("fab-long-*"):
+        shutil.rmtree(d, ignore_errors=True)
+    for st in (ROOT / ".stamps").glob("*.fab-long-*"):
+        st.unlink()
+    cfg = ROOT / "runs" / "fab-long.yaml"
+    cfg.write_text((ROOT / "configs/smoke.yaml").read_text().replace("iters: 6", "iters: 24")
+                   .replace("save_every: 3", "save_every: 4").replace("steps_per_eval: 3", "steps_per_eval: 12"))
+    fmake(fabric, "smoke", *fab_vars(fabric, SMOKED), timeout=900)
+    return cfg
+
+
+def train(fabric, cfg, run, **extra):
+    """`make train` for run (its smoke stamp copied from the one real smoke), in a thread."""
+    shutil.copytree(ROOT / "runs" / SMOKED, ROOT / "runs" / run, ignore=shutil.ignore_patterns("smoke"), dirs_exist_ok=True)
+    shutil.copy(ROOT / ".stamps" / f"smoke.{SMOKED}", ROOT / ".stamps" / f"smoke.{run}")
+    out = {}
+    t = threading.Thread(target=lambda: out.__setitem__("p", fmake(
+        fabric, "train", *fab_vars(fabric, run, CONFIG=str(cfg), WATCHDOG="20", **extra), check=False)))
+    t.start()
+    return t, out
+
+
+def wait_step(run, step, timeout=300):
+    log, deadline = ROOT / f"runs/{run}/logs/launch-train.log", time.time() + timeout
+    while time.time() < deadline:
+        if log.is_file() and any(int(n) >= step for n in re.findall(r"iter (\d+) rank 1 ", log.read_text())):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{run} never reached step {step}")
+
+
+def status(fabric, run):
+    t0 = time.monotonic()
+    p = fmake(fabric, "status", *fab_vars(fabric, run), "JSON=1", check=False, timeout=30)
+    return json.loads(p.stdout.strip().splitlines()[-1]), p.returncode, time.monotonic() - t0
+
+
+def finish(t, out, run):
+    t.join(timeout=600)
+    assert not t.is_alive(), f"make train {run} did not end"
+    return out["p"], json.loads((ROOT / f"runs/{run}/train.json").read_text())
+
+
+def adapter(run):
+    return load_file(str(ROOT / f"runs/{run}/adapters/adapters.safetensors"))
+
+
+def losses(run):
+    return {m["step"]: m["loss"] for m in map(json.loads, (ROOT / f"runs/{run}/metrics.jsonl").read_text().splitlines())
+            if m.get("kind") == "train"}
+
+
+def no_rank_left(fabric):
+    return {h: fabric.procs(h, r"bin/train\.py") for h in HOSTS}
+
+
+@pytest.fixture(scope="module")
+def reference(fabric, long_cfg):
+    """The uninterrupted run; `make status JSON=1` during it (each call timed) and after."""
+    t, out = train(fabric, long_cfg, "fab-long-ref")
+    wait_step("fab-long-ref", 6)
+    during = [status(fabric, "fab-long-ref") for _ in range(3)]
+    p, summary = finish(t, out, "fab-long-ref")
+    assert p.returncode == 0 and summary["ok"] and summary["attempts"] == [], (p.stderr[-2000:], summary)
+    return during, status(fabric, "fab-long-ref"), p
+
+
+def test_status_during_and_after_a_run(fabric, reference):
+    during, after, p = reference
+    for st, code, secs in during:
+        assert set(st) == STATUS_KEYS and st["running"] and st["reachable"], st
+        assert code == 0 and st["status"] == "OK" and secs < 1.0, (code, secs, st)
+        assert st["iters"] == 24 and 0 < st["step"] <= 24 and st["eta_s"] is not None
+        assert set(st["ranks"]) == {"0", "1"} and all(v["since_s"] < 30 and v["tok_per_s"] for v in st["ranks"].values())
+    st, code, secs = after
+    assert code == 0 and not st["running"] and st["verdict"]["ok"] and st["step"] == 24 and secs < 1.0, (secs, st)
+    assert st["latest_checkpoint"] == "step-0000024" and st["last_val"]["step"] == 24
+    # The operator's terminal has one `step` line per report, not the per-rank step lines.
+    assert re.search(r"^step 12/24 loss \S+ tok/s \d+ eta \d\d:\d\d:\d\d peak_mem_gb \S+$", p.stdout, re.M), p.stdout[-2000:]
+    assert not re.search(r"iter \d+ rank \d", p.stdout)
+    assert re.search(r"^\S+Z iter 12 rank 1 ", (ROOT / "runs/fab-long-ref/logs/launch-train.log").read_text(), re.M)
+
+
+def test_rank_killed_mid_run_resumes_to_the_same_adapter(fabric_faults, long_cfg, reference):
+    fabric, run = fabric_faults, "fab-long-kill"
+    t, out = train(fabric, long_cfg, run, RESTARTS="1")
+    wait_step(run, 10)
+    assert fabric.kill("fab2", r"bin/train\.py"), "no rank process on fab2"
+    p, summary = finish(t, out, run)
+    assert p.returncode == 0 and summary["ok"], (p.stderr[-3000:], summary)
+    assert len(summary["attempts"]) == 1 and summary["attempts"][0]["parity_exit"] in (0, 1), summary["attempts"]
+    assert "restart attempt 1" in p.stdout
+    ref, got = adapter("fab-long-ref"), adapter(run)
+    assert ref.keys() == got.keys()
+    diff = max(float(np.max(np.abs(ref[k].astype(np.float64) - got[k].astype(np.float64)))) for k in ref)
+    assert diff <= 1e-5, diff
+    assert not any(no_rank_left(fabric).values())
+
+
+def test_link_cut_for_good_falls_back_to_the_remaining_host(fabric_faults, long_cfg, reference):
+    fabric, run = fabric_faults, "fab-long-cut"
+    t, out = train(fabric, long_cfg, run, RESTARTS="1", FALLBACK="1")
+    wait_step(run, 10)
+    fabric.cut_link("fab2")
+    p, summary = finish(t, out, run)
+    assert p.returncode == 0 and summary["ok"], (p.stderr[-3000:], summary)
+    assert summary["fallback"]["lost"] == ["fab2"] and summary["world_size"] == 1, summary
+    assert json.loads((ROOT / f"runs/{run}/manifest.json").read_text())["fallback"]["lost"] == ["fab2"]
+    ref, got = losses("fab-long-ref"), losses(run)
+    assert got.keys() == ref.keys()
+    assert all(abs(got[s] - ref[s]) <= 1e-4 * abs(ref[s]) for s in ref), {s: (ref[s], got[s]) for s in ref}
+    st, code, _ = status(fabric, run)
+    assert code == 0 and st["verdict"]["fallback"]["lost"] == ["fab2"]
