@@ -45,6 +45,7 @@ import math
 import os
 import platform
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expect-world-size", type=int, help="fail (runtime parity) unless the group has this size")
     p.add_argument("--launch-id", default="", help="written into the marker files, to tell them from stale ones")
     p.add_argument("--stop-at-step", type=int, help="stop after this step, with a checkpoint (a clean preemption)")
+    p.add_argument("--allow-world-change", action="store_true", help="--resume on another world size, the global "
+                   "batch cut as before (gradient accumulation; needs grad_average: tokens)")
     for key, typ in FLAGS:
         p.add_argument("--" + key.replace("_", "-"), type=typ, default=None)
     return p
@@ -174,6 +177,19 @@ def fail(err: RunbookError, rep: Reporter, launch_id: str) -> int:
              step=rep.step, message=json.dumps(str(err)))
     print(f"error: {err}", file=sys.stderr, flush=True)
     return err.exit_code
+
+
+CAFFEINATE = "/usr/bin/caffeinate"  # macOS; absent on Linux (tests point it at a fake)
+
+
+def keep_awake(rep: Reporter):
+    """macOS: `caffeinate -i -w PID` keeps this Mac from idle sleep while this rank lives."""
+    if not os.path.isfile(CAFFEINATE):
+        return None
+    p = subprocess.Popen([CAFFEINATE, "-i", "-w", str(os.getpid())], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    rep.line("caffeinate", rank=rep.rank, pid=p.pid)
+    return p
 
 
 # ---- distributed group --------------------------------------------------------------------------
@@ -440,8 +456,8 @@ def write_checkpoint(r, step: int, final: bool, window: dict, val_loss: float | 
              "world_size": r.coll.size, "final": final, "iters": r.cfg["iters"], "launch_id": r.args.launch_id,
              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rng": {"mx_key": [int(k[0]), int(k[1])]},
              "val_loss": val_loss, "window": window,
-             "data": {"n_batches": len(r.plan), "epoch": r.order.epoch, "pos": r.order.pos},
-             "trained_tokens": r.trained_tokens, "initial_loss": r.initial_loss}
+             "data": {"n_batches": len(r.plans[0]), "epoch": r.order.epoch, "pos": r.order.pos}, "shards": r.shards,
+             "trained_tokens": r.trained_tokens, "initial_loss": r.initial_loss, "val0": r.val0}
     path = ckpt.save(r.ckroot, step, {
         "adapters.safetensors": lambda p: mx.save_safetensors(str(p), weights, metadata=meta),
         "optimizer.safetensors": lambda p: mx.save_safetensors(str(p), opt, metadata=meta),
@@ -476,10 +492,7 @@ def pick_checkpoint(r) -> tuple[Path, dict] | None:
     if changed := C.diff_keys(st["config"], r.cfg):
         was = ", ".join(f"{k}: {st['config'].get(k)!r} -> {r.cfg.get(k)!r}" for k in changed)
         raise RunbookError(f"the config changed since {chosen.name} ({was}); restore it or start a new RUN", "resume")
-    if st["world_size"] != r.coll.size:  # the per-rank batches and report windows would differ
-        raise RunbookError(f"{chosen.name} was written by {st['world_size']} ranks, this launch has {r.coll.size}: "
-                           "resume with the same hostfile, or start a new RUN", "resume")
-    if st["files_sha256"] != r.files_sha or st["data"]["n_batches"] != len(r.plan):
+    if st["files_sha256"] != r.files_sha or st["data"]["n_batches"] != len(r.train_set) // r.cfg["batch_size"]:
         raise failure(DATA, f"the dataset bytes changed since {chosen.name} (files sha256 {st['files_sha256'][:12]} "
                             f"-> {r.files_sha[:12]}); restore the dataset or start a new RUN")
     r.rep.line("resume", rank=0, checkpoint=chosen, step=st["step"], fell_back=len(skipped) > 0)
@@ -496,11 +509,27 @@ def read_fitting(mx, path: Path | None, own: dict, name: str) -> dict | None:
     return have
 
 
-def resume(r, picked: tuple[Path, dict] | None) -> dict:
-    """Every rank takes rank 0's checkpoint: weights, optimizer, RNG key, data position. Returns its state."""
+def shards_of(r, st: dict) -> int:
+    """The number of shares each global batch is cut into: the world size that began the run.
+    A resume on another world size (--allow-world-change, grad_average: tokens) accumulates the
+    old ranks' shares on each new rank, so the maths is the uninterrupted run's."""
+    shards, size = st.get("shards", st.get("world_size", r.coll.size)), r.coll.size
+    r.world_change = None
+    if shards == size:
+        return shards
+    if not r.args.allow_world_change or r.cfg["grad_average"] != "tokens" or shards % size:
+        raise RunbookError(f"the checkpoint's run began on {shards} ranks, this launch has {size}: resume with the "
+                           "same hostfile, or pass --allow-world-change (needs grad_average: tokens and a world size "
+                           f"dividing {shards}), or start a new RUN", "resume")
+    r.world_change = {"shards": shards, "world_size_from": st["world_size"], "world_size": size, "micro_batches": shards // size}
+    r.rep.line("world-change", rank=r.coll.rank, **r.world_change)
+    return shards
+
+
+def resume(r, picked: tuple[Path, dict] | None, st: dict) -> None:
+    """Every rank takes rank 0's checkpoint: weights, optimizer, RNG key, data position."""
     from mlx.utils import tree_flatten, tree_unflatten
 
-    st = json.loads(r.coll.bcast_bytes(json.dumps(picked[1]).encode() if picked else None))
     own_w, own_o = dict(tree_flatten(r.model.trainable_parameters())), dict(tree_flatten(r.optimizer.state))
     w = r.coll.run(read_fitting, r.mx, picked and picked[0], own_w, "adapters")
     o = r.coll.run(read_fitting, r.mx, picked and picked[0], own_o, "optimizer")
@@ -523,7 +552,6 @@ def resume(r, picked: tuple[Path, dict] | None) -> dict:
             with atomic.atomic_open(path, "w", encoding="utf-8") as f:
                 jsonl.write(f, keep)
             r.rep.line("metrics-superseded", rank=0, events=len(moved), after_step=st["step"])
-    return st
 
 
 # ---- setup ----------------------------------------------------------------------------------------
@@ -536,6 +564,7 @@ def main() -> int:
     rep = Reporter(run_dir, rank)
     rep.beat("start", 0.0)
     try:
+        keep_awake(rep)
         mx, group, backend = init_group()
         if group.rank() != rank:  # MLX_RANK was dropped for a lone host
             rep = Reporter(run_dir, group.rank())
@@ -598,53 +627,87 @@ def start(r):
     """The data order, then a fresh start or rank 0's checkpoint on every rank; each rank gets its
     own report window back (mlx-lm's losses, n_tokens, steps since the last report)."""
     cfg, mx, coll = r.cfg, r.mx, r.coll
-    r.plan = batch_plan(r.train_set, cfg["batch_size"], coll.rank, coll.size)
-    n_val = len(r.val_set) // cfg["batch_size"] if r.val_set is not None and cfg["val_batches"] != 0 else 0
-    r.order = DataOrder(r.np, cfg["seed"], len(r.plan), n_val, cfg["steps_per_eval"])
     picked = coll.run(pick_checkpoint if coll.rank == 0 else None, r)
-    st = resume(r, picked) if r.args.resume else {}
+    st = json.loads(coll.bcast_bytes(json.dumps(picked[1]).encode() if picked else None)) if r.args.resume else {}
+    r.shards = shards_of(r, st)  # the global batch's shares: the world size that began the run
+    r.plans = [batch_plan(r.train_set, cfg["batch_size"], j, r.shards) for j in range(coll.rank, r.shards, coll.size)]
+    n_val = len(r.val_set) // cfg["batch_size"] if r.val_set is not None and cfg["val_batches"] != 0 else 0
+    r.order = DataOrder(r.np, cfg["seed"], len(r.plans[0]), n_val, cfg["steps_per_eval"])
+    if st:
+        resume(r, picked, st)
     win = st.get("window", {"loss": [0.0] * coll.size, "tokens": [0] * coll.size, "steps": 0})
+    if len(win["loss"]) != coll.size:  # a world change: rank 0 carries the window, scaled to the new size
+        win = {"loss": [sum(win["loss"]) * coll.size / len(win["loss"])] + [0.0] * (coll.size - 1),
+               "tokens": [sum(win["tokens"])] + [0] * (coll.size - 1), "steps": win["steps"]}
     r.win_loss = mx.array(win["loss"][coll.rank], dtype=mx.float32)
     r.win_tokens = mx.array(win["tokens"][coll.rank], dtype=mx.int32)
     r.start, r.win_steps, r.trained_tokens, r.initial_loss = st.get("step", 0), win["steps"], st.get("trained_tokens", 0), st.get("initial_loss")
+    r.val0 = st.get("val0")
     r.last_val, r.train_time, r.ckpt_time, r.grad = None, 0.0, 0.0, None
     mx.eval(r.model.parameters(), r.optimizer.state)
     return r
 
 
 # ---- training -------------------------------------------------------------------------------------
-def compiled_step(r):
-    """mlx-lm's compiled training step (mlx_lm/tuner/trainer.py train()), unchanged."""
-    import mlx.nn as nn
-    from mlx.nn.utils import average_gradients
-    from mlx.utils import tree_map
+def losses(cfg: dict):
+    """(train loss, eval loss) of the config: mlx-lm's default_loss, or lib/loss.py's chunked one."""
     from mlx_lm.tuner.trainer import default_loss
 
-    model, optimizer, accum = r.model, r.optimizer, r.cfg["grad_accumulation_steps"]
-    loss_value_and_grad = nn.value_and_grad(model, default_loss)
+    from lib import loss as L
 
-    def step(batch, prev_grad, do_update):
-        (lvalue, toks), grad = loss_value_and_grad(model, *batch)
-        if prev_grad is not None:
-            grad = tree_map(lambda x, y: x + y, grad, prev_grad)
-        if do_update:
-            grad = average_gradients(grad)
-            if accum > 1:
-                grad = tree_map(lambda x: x / accum, grad)
-            optimizer.update(model, grad)
-            grad = None
-        return lvalue, toks, grad
+    if cfg.get("loss", "default") == "default":
+        return default_loss, default_loss
+    return L.make_loss(cfg["loss_chunk_tokens"]), L.make_loss(cfg["loss_chunk_tokens"], grad=False)
 
-    return partial(r.mx.compile, inputs=r.state, outputs=r.state)(step)
+
+def compiled_step(r):
+    """mlx-lm's compiled training step (mlx_lm/tuner/trainer.py train()) with the config's loss,
+    the all-reduce on the CPU stream, and optionally the token-weighted average (each rank's
+    gradient of its summed token losses; all-reduced with the token count, divided by it) and
+    the global norm clipped. step(batch, acc, do_update) -> (loss, ntoks, acc), acc being the
+    accumulated (gradient, tokens) or, after an update, the global gradient norm (pre-clip)."""
+    import mlx.nn as nn
+    import mlx.nn.utils as nu
+    from mlx.optimizers import clip_grad_norm
+    from mlx.utils import tree_map
+
+    mx, model, optimizer, cfg = r.mx, r.model, r.optimizer, r.cfg
+    accum, by_tokens, clip = cfg["grad_accumulation_steps"], cfg.get("grad_average") == "tokens", cfg.get("max_grad_norm")
+    loss_fn, size = losses(cfg)[0], mx.distributed.init().size()
+
+    def summed(model, batch, lengths):
+        lvalue, toks = loss_fn(model, batch, lengths)
+        return (lvalue * toks if by_tokens else lvalue), lvalue, toks
+
+    loss_value_and_grad = nn.value_and_grad(model, summed)
+
+    def step(batch, prev, do_update):
+        (_, lvalue, toks), grad = loss_value_and_grad(model, *batch)
+        n = toks.astype(mx.float32)
+        if prev is not None:
+            grad, n = tree_map(lambda x, y: x + y, grad, prev[0]), n + prev[1]
+        if not do_update:
+            return lvalue, toks, (grad, n)
+        grad = nu.average_gradients(grad, communication_stream=mx.cpu)
+        if by_tokens:  # average_gradients divides by the world size: the global sum over the global tokens
+            total = mx.distributed.all_sum(n, stream=mx.cpu) if size > 1 else n
+            grad = tree_map(lambda x: x * (size / total), grad)
+        elif accum > 1:
+            grad = tree_map(lambda x: x / accum, grad)
+        grad, norm = clip_grad_norm(grad, clip) if clip else (grad, clip_grad_norm(grad, 1.0)[1])
+        optimizer.update(model, grad)
+        return lvalue, toks, norm
+
+    return partial(mx.compile, inputs=r.state, outputs=r.state)(step)
 
 
 def run_eval(r, dataset, num_batches: int, phase: str) -> float:
     """mlx-lm's evaluate, with a progress line per batch (at most one a second) for the watchdog."""
-    from mlx_lm.tuner.trainer import default_loss, evaluate, iterate_batches
+    from mlx_lm.tuner.trainer import evaluate, iterate_batches
 
     r.rep.beat(phase, 0.0)
     loss = evaluate(model=r.model, dataset=dataset, batch_size=r.cfg["batch_size"], num_batches=num_batches,
-                    max_seq_length=r.cfg["max_seq_length"], loss=default_loss,
+                    max_seq_length=r.cfg["max_seq_length"], loss=losses(r.cfg)[1],
                     iterate_batches=partial(iterate_batches, seed=r.cfg["seed"]), progress_callback=partial(r.rep.beat, phase))
     r.model.train()
     return loss
@@ -655,6 +718,7 @@ def validate(r, step: int) -> None:
         return
     tic = time.perf_counter()
     r.last_val = (step, run_eval(r, r.val_set, r.cfg["val_batches"], "val"))
+    r.val0 = r.last_val[1] if step == 0 else r.val0
     dt = time.perf_counter() - tic
     if r.coll.rank == 0:
         r.rep.line("val", step=step, val_loss=r.last_val[1], val_s=dt)
@@ -673,6 +737,25 @@ def report(r, it: int, lr: float) -> None:
     r.rep.event("train", it, loss=w_loss, lr=lr, tokens=w_tokens, tok_per_s=tps, peak_mem_gb=peak,
                 trained_tokens=r.trained_tokens, train_s=round(r.train_time, 4))
     r.win_loss, r.win_tokens, r.win_steps, r.train_time = r.mx.array(0.0), r.mx.array(0, dtype=r.mx.int32), 0, 0.0
+
+
+def train_step(r, step, it: int) -> tuple:
+    """One iteration: this rank's micro-batch (after a world change, the old ranks' shares of the
+    global batch, accumulated), then the loss over every rank: token-weighted with
+    grad_average: tokens, else mlx-lm's mean of the ranks' means. (loss, tokens, rank loss, grad norm)."""
+    mx, cfg, k = r.mx, r.cfg, len(r.plans)
+    idx, update, lv, nt = r.order.next(it), it % cfg["grad_accumulation_steps"] == 0, [], []
+    for j, plan in enumerate(r.plans):
+        batch = make_batch(mx, r.np, r.train_set, plan[idx], cfg["max_seq_length"])
+        lvalue, toks, out = step(batch, r.grad, update and j == k - 1)
+        r.grad = None if update and j == k - 1 else out
+        mx.eval(r.state, lvalue, toks, out)
+        lv, nt = lv + [lvalue], nt + [toks.astype(mx.float32)]
+    r.win_loss, r.win_tokens, r.win_steps = r.win_loss + sum(lv) / k, r.win_tokens + sum(nt).astype(mx.int32), r.win_steps + 1
+    both = r.coll.sum(mx.stack([sum(lv), sum(a * b for a, b in zip(lv, nt, strict=True)), sum(nt)]))
+    mx.eval(r.win_loss, r.win_tokens, both)
+    loss = both[1].item() / both[2].item() if cfg["grad_average"] == "tokens" else both[0].item() / (r.coll.size * k)
+    return loss, int(both[2].item()), (sum(lv) / k).item(), out.item() if update else None
 
 
 def check_stability(r, it: int, loss: float) -> None:
@@ -698,6 +781,8 @@ def train(r) -> int:
         rep.start_metrics(cfg)
         ckpt.sweep_temporaries(r.ckroot)
         atomic.write_json(r.adapters / "adapter_config.json", adapter_config(r, r.adapters))
+        if r.world_change:
+            rep.event("world-change", r.start, **r.world_change)
     rep.line("model", rank=coll.rank, model=cfg["model"], fine_tune_type=cfg["fine_tune_type"], start_step=r.start,
              trainable_params=sum(v.size for _, v in tree_flatten(r.model.trainable_parameters())),
              layers=len(r.model.layers))
@@ -710,21 +795,15 @@ def train(r) -> int:
         validate(r, 0)
     r.model.train()
     for it in range(r.start + 1, iters + 1):
-        # ---- one step: the batch, mlx-lm's compiled step, the loss averaged over the ranks ----
-        batch = make_batch(mx, r.np, r.train_set, r.plan[r.order.next(it)], cfg["max_seq_length"])
         tic = time.perf_counter()
-        lvalue, toks, r.grad = step(batch, r.grad, it % cfg["grad_accumulation_steps"] == 0)
-        r.win_loss, r.win_tokens, r.win_steps = r.win_loss + lvalue, r.win_tokens + toks, r.win_steps + 1
-        mx.eval(r.state, r.win_loss, r.win_tokens, r.grad)
-        both = coll.sum(mx.stack([lvalue, toks.astype(mx.float32)]))
-        mx.eval(both)
+        loss, tokens, rank_loss, norm = train_step(r, step, it)
         _clear_cache(cfg["clear_cache_threshold"])
         dt = time.perf_counter() - tic
-        r.train_time, rep.step = r.train_time + dt, it
-        loss, tokens, lr = both[0].item() / coll.size, int(both[1].item()), r.optimizer.learning_rate.item()
+        r.train_time, rep.step, lr = r.train_time + dt, it, r.optimizer.learning_rate.item()
         r.initial_loss = loss if r.initial_loss is None else r.initial_loss
-        rep.line(f"iter {it}", rank=coll.rank, loss=loss, rank_loss=lvalue.item(), tokens=tokens, step_s=dt)
-        rep.event("step", it, loss=loss, lr=lr, tokens=tokens, tok_per_s=tokens / dt if dt else None, step_s=round(dt, 5))
+        rep.line(f"iter {it}", rank=coll.rank, loss=loss, rank_loss=rank_loss, tokens=tokens, step_s=dt, grad_norm=norm)
+        rep.event("step", it, loss=loss, lr=lr, tokens=tokens, tok_per_s=tokens / dt if dt else None,
+                  step_s=round(dt, 5), grad_norm=norm)
         check_stability(r, it, loss)
         # ---- report, validate, checkpoint: mlx-lm's cadence ----
         if it % cfg["steps_per_report"] == 0 or it == iters:
@@ -753,6 +832,12 @@ def finish(r, wall: float) -> int:
         if rank == 0:
             r.rep.line("test", step=iters, test_loss=test_loss, test_ppl=ppl, test_s=time.perf_counter() - tic)
         r.rep.event("test", iters, loss=test_loss, ppl=ppl if math.isfinite(ppl) else None)
+    if r.last_val and r.val0 is not None and not r.last_val[1] < r.val0:  # the run made the model no better
+        msg = (f"the final validation loss {r.last_val[1]:.4f} (step {r.last_val[0]}) is not below step 0's "
+               f"{r.val0:.4f}: this adapter does not improve on the base model")
+        if rank == 0:
+            r.rep.warn(msg)
+        r.rep.event("warning", iters, what="no-improvement", loss=r.last_val[1], val_loss_step0=r.val0, message=msg)
     best = ckpt.best(r.ckroot) if rank == 0 else None
     best_path = r.ckroot / best[0] if best else None
     if rank == 0:
@@ -761,7 +846,7 @@ def finish(r, wall: float) -> int:
                    best=best[0] if best else "-", best_adapter=best_path or "-")
     r.rep.event("done", iters, checkpoint_s=round(r.ckpt_time, 4), train_wall_s=round(wall, 4),
                 best=best[0] if best else None, best_val_loss=best[1] if best else None,
-                best_adapter=str(best_path) if best_path else None)
+                best_adapter=str(best_path) if best_path else None, world_change=r.world_change)
     return 0
 
 
