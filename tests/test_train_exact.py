@@ -33,7 +33,11 @@ CONFIG = """\
 fine_tune_type: lora
 num_layers: -1
 lora_parameters: {rank: 4, dropout: 0.0, scale: 20.0}
-learning_rate: 3e-3
+# SGD at a small rate: on this random tiny model the gradient is so sensitive to the weights that
+# at 1e-3 a rounding-level difference grows ~50x per step (two single-host runs whose maths differ
+# only in rounding part by 0.4% after 3 steps); Adam's first steps are sign(g), noise made lr-sized.
+optimizer: sgd
+learning_rate: 1e-5
 batch_size: 4
 iters: 6
 steps_per_report: 2
@@ -46,7 +50,7 @@ seed: 3
 keep_last_k: 2
 """
 REL = 1e-5  # per-step losses, dual vs control, with grad_average: tokens
-ADAPTER_TOL = 1e-5  # max abs difference on every adapter tensor
+ADAPTER_REL = 1e-4  # |difference| / |adapter| over every LoRA B tensor (L2; they start at 0)
 
 
 def rel(a: float, b: float) -> float:
@@ -79,6 +83,15 @@ def one_rank(cfg_path, data, run_dir, *extra):
     return p
 
 
+def adapter_rel(a: Path, b: Path) -> float:
+    import mlx.core as mx
+
+    x, y = tensors(a / "adapters" / "adapters.safetensors"), tensors(b / "adapters" / "adapters.safetensors")
+    assert sorted(x) == sorted(y)
+    x, y = ({k: v for k, v in t.items() if "lora_b" in k} for t in (x, y))  # lora_a starts random, lora_b at 0
+    return (sum(((x[k] - y[k]) ** 2).sum() for k in x) ** 0.5 / sum((y[k] ** 2).sum() for k in y) ** 0.5).item()
+
+
 def step_losses(run_dir: Path) -> dict[int, float]:
     return {s: e["loss"] for s, e in events(run_dir, "step").items()}
 
@@ -102,14 +115,14 @@ def test_token_weighted_dual_equals_control(runs):
     a, b = step_losses(dual), step_losses(control)
     assert sorted(a) == list(range(1, 7)) == sorted(b)
     worst = max(rel(a[s], b[s]) for s in a)
-    d_ad = max_abs_diff(tensors(dual / "adapters" / "adapters.safetensors"), tensors(control / "adapters" / "adapters.safetensors"))
+    d_ad, d_abs = adapter_rel(dual, control), max_abs_diff(tensors(dual / "adapters" / "adapters.safetensors"),
+                                                           tensors(control / "adapters" / "adapters.safetensors"))
     am, bm = step_losses(dual_m), step_losses(control_m)
-    worst_m = max(rel(am[s], bm[s]) for s in am)
-    d_ad_m = max_abs_diff(tensors(dual_m / "adapters" / "adapters.safetensors"),
-                          tensors(control_m / "adapters" / "adapters.safetensors"))
-    print(f"tokens: loss rel {worst:.2e}, adapter {d_ad:.2e}; mlx_lm: loss rel {worst_m:.2e}, adapter {d_ad_m:.2e}")
-    assert worst <= REL and d_ad <= ADAPTER_TOL
-    assert worst_m > 1e-3 and d_ad_m > 100 * ADAPTER_TOL  # mlx-lm's mean of the ranks' means is other maths
+    worst_m, d_ad_m = max(rel(am[s], bm[s]) for s in am), adapter_rel(dual_m, control_m)
+    print(f"dual vs control: tokens: loss rel {worst:.2e}, adapter rel {d_ad:.2e} (max abs {d_abs:.2e}); "
+          f"mlx_lm: loss rel {worst_m:.2e}, adapter rel {d_ad_m:.2e}")
+    assert worst <= REL and d_ad <= ADAPTER_REL
+    assert worst_m > 10 * max(worst, 1e-7) and d_ad_m > 1e-2  # mlx-lm's mean of the ranks' means: other maths  # mlx-lm's mean of the ranks' means is other maths
     ev = events(dual, "step")[1]
     assert ev["grad_norm"] > 0 and "grad_norm" in events(control, "step")[6]
 
@@ -127,9 +140,9 @@ def test_resume_on_one_rank_follows_the_two_rank_run(runs, data):
     a, b = step_losses(run_dir), step_losses(full)
     assert sorted(a) == sorted(b) == list(range(1, 7))
     worst = max(rel(a[s], b[s]) for s in a)
-    d_ad = max_abs_diff(tensors(run_dir / "adapters" / "adapters.safetensors"), tensors(full / "adapters" / "adapters.safetensors"))
-    print(f"2 -> 1 rank resume at step 3: loss rel {worst:.2e}, adapter max abs {d_ad:.2e}")
-    assert worst <= 1e-4
+    d_ad = adapter_rel(run_dir, full)
+    print(f"2 -> 1 rank resume at step 3: loss rel {worst:.2e}, adapter rel {d_ad:.2e}")
+    assert worst <= 1e-4 and d_ad <= ADAPTER_REL
     done = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"done"' in x][-1]
     assert done["world_change"] == {"shards": 2, "world_size_from": 2, "world_size": 1, "micro_batches": 2}
     assert events(run_dir, "world-change")[3]["micro_batches"] == 2
