@@ -39,7 +39,7 @@ from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import HANG, RunbookError, die, event  # noqa: E402
 
 BACKOFF_S = 2.0  # the first restart waits this long, each next one twice as long (at most 60 s)
-WORLD_FLAG = "--resume-world-size"  # bin/train.py: resume a checkpoint of another world size, same global batch
+WORLD_FLAG = "--allow-world-change"  # bin/train.py: resume a checkpoint of another world size, same global batch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +120,9 @@ def main() -> int:
                 paths.ROOT / ".stamps/smoke-ok" / f"{launch.smoke_key(args.hostfile, args.dataset, args.model)}.json").is_file():
             raise RunbookError("no passing smoke for this code, dataset, model and hostfile: run `make smoke "
                                f"HOSTFILE={args.hostfile} DATASET={args.dataset} MODEL={args.model}` first", "smoke")
+        if args.fallback and cfg.get("grad_average") != "tokens":
+            raise RunbookError(f"{args.config}: FALLBACK=1 resumes on fewer hosts with the same global batch, which "
+                               "needs `grad_average: tokens` in the config (set it before the run starts)", "restarts-and-fallback")
     except (RunbookError, ValueError) as e:
         return die(e, 2)
     run_dir, run_rel = paths.run_dir(args.run), f"runs/{args.run}"

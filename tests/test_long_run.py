@@ -45,7 +45,8 @@ def long_cfg(fabric):
         st.unlink()
     cfg = ROOT / "runs" / "fab-long.yaml"
     cfg.write_text((ROOT / "configs/smoke.yaml").read_text().replace("iters: 6", "iters: 24")
-                   .replace("save_every: 3", "save_every: 4").replace("steps_per_eval: 3", "steps_per_eval: 12"))
+                   .replace("save_every: 3", "save_every: 4").replace("steps_per_eval: 3", "steps_per_eval: 12")
+                   + "grad_average: tokens\n")
     fmake(fabric, "smoke", *fab_vars(fabric, SMOKED), timeout=900)
     return cfg
 
@@ -130,7 +131,7 @@ def test_rank_killed_mid_run_resumes_to_the_same_adapter(fabric_faults, long_cfg
     p, summary = finish(t, out, run)
     assert p.returncode == 0 and summary["ok"], (p.stderr[-3000:], summary)
     assert len(summary["attempts"]) == 1 and summary["attempts"][0]["parity_exit"] in (0, 1), summary["attempts"]
-    assert "restart attempt 1" in p.stdout
+    assert re.search(rf"^restart run {run} attempt 1 of 1 ", p.stdout, re.M), p.stdout[-3000:]
     ref, got = adapter("fab-long-ref"), adapter(run)
     assert ref.keys() == got.keys()
     diff = max(float(np.max(np.abs(ref[k].astype(np.float64) - got[k].astype(np.float64)))) for k in ref)
