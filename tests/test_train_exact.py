@@ -278,10 +278,13 @@ def test_caffeinate_watches_the_rank(tmp_path):
     assert json.loads(log.read_text()) == [str(fake), "-i", "-w", str(os.getpid())]
 
 
-def test_no_improvement_warns(data, tmp_path):
-    cfg = config(tmp_path, "worse", learning_rate=0.5, iters=3, steps_per_eval=3, save_every=3,
-                 divergence_factor=1000.0, grad_average="tokens")
-    p = one_rank(cfg, data, tmp_path / "run")
+def test_no_improvement_warns(tmp_path):
+    """Trained on prose, validated on one repeated character: the model gets worse on validation."""
+    bad = write_dataset(tmp_path / "bad", n_train=24, n_valid=4, n_test=4)
+    (bad / "valid.jsonl").write_text("".join(json.dumps({"text": "!" * 80}) + "\n" for _ in range(8)))
+    (bad / "manifest.json").unlink()
+    cfg = config(tmp_path, "worse", steps_per_eval=3, divergence_factor=1000.0)
+    p = one_rank(cfg, bad, tmp_path / "run", "--optimizer", "adam", "--learning-rate", "5e-2", "--iters", "3")
     w = events(tmp_path / "run", "warning")[3]
     assert w["what"] == "no-improvement" and w["loss"] >= w["val_loss_step0"], w
     assert "warning rank 0 message" in p.stdout and "does not improve on the base model" in p.stdout
