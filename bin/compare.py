@@ -148,6 +148,7 @@ def run_facts(role: str, run_id: str, summary_name: str) -> dict:
     return {
         "role": role, "run": run_id, "dir": paths.rel(run_dir), "stage": summary_name.removesuffix(".json"),
         "ok": bool(summary.get("ok")), "category": summary.get("category"), "why": summary.get("why") or "",
+        "fallback": summary.get("fallback"), "attempts": len(summary.get("attempts") or []),
         "world_size": int(world) if world else None, "hosts": hosts, "hostfile_path": man.get("hostfile_path"),
         "hostfile": hostfile, "git": man.get("git") or {}, **{k: man.get(k) for k in (
             "lock_sha256", "dataset", "dataset_sha256", "model", "model_sha256", "control_of", "control_run",
@@ -210,6 +211,9 @@ def comparability(dual: dict, control: dict, disk_dataset: str | None, disk_mode
              (dual["git"].get("commit") != control["git"].get("commit"), "the runs ran different code commits")]
     notes += [(bool(r["git"].get("dirty")), f"{r['run']} ran from a dirty tree: its reproduction is not exact")
               for r in (dual, control)]
+    notes += [(bool(r.get("fallback")), f"{r['run']} lost {(r.get('fallback') or {}).get('lost')} and finished on "
+               f"{(r.get('fallback') or {}).get('hosts')} (FALLBACK=1): not the dual-host result") for r in (dual, control)]
+    notes += [(bool(r.get("attempts")), f"{r['run']} restarted {r.get('attempts')} time(s) (RESTARTS)") for r in (dual, control)]
     out["warnings"] = [text for cond, text in notes if cond]
     out["ok"] = not out["problems"]
     return out
@@ -442,9 +446,9 @@ def render_md(rep: dict) -> str:
     for key in ("run", "world_size", "hosts", "hostfile_path", "dataset", "dataset_sha256", "model", "model_sha256",
                 "git", "lock_sha256", "seed", "global_batch", "config_source", "ok", "final_step", "trained_tokens",
                 "tok_per_s_method", "stage_wall_s", "peak_mem_gb", "checkpoints_written", "checkpoints_kept",
-                "trainer_test_loss", "best_adapter"):
+                "trainer_test_loss", "best_adapter", "attempts", "fallback"):
         cells = [f"{r[key].get('commit')}{' (dirty)' if r[key].get('dirty') else ''}" if key == "git" else
-                 fmt(r[key], "") for r in (d, c)]
+                 fmt(r.get(key), "") for r in (d, c)]
         L.append(f"| {key} | {cells[0]} | {cells[1]} |")
     L += ["", "## Comparability", ""] + [f"- {ch['name']}: {'same' if ch['ok'] else 'DIFFERS'} (dual `{ch['dual']}`, "
                                          f"control `{ch['control']}`)" for ch in rep["comparable"]["checks"]]
