@@ -13,6 +13,7 @@ host is swept for leftover rank processes and the run folder is fetched back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -106,7 +107,7 @@ def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, ext
 
 
 def finish_manifest(run_dir: Path, stage: str, summary: dict) -> None:
-    man = read_json(run_dir / "manifest.json") or {"stages": {}}
+    man = read_json(run_dir / "manifest.json")
     man.setdefault("stages", {}).setdefault(stage, {}).update(
         ended=time.strftime("%Y-%m-%dT%H:%M:%S%z"), ok=summary.get("ok"), category=summary.get("category"))
     atomic.write_json(run_dir / "manifest.json", man)
@@ -119,9 +120,8 @@ def export_section(dataset: str) -> list[str]:
     corpus = man.get("corpus")
     patterns, files = (corpus.get("patterns"), corpus.get("files")) if isinstance(corpus, dict) else (corpus, None)
     files = files or man.get("sources") or []
-    if isinstance(files, dict):
-        files = [{"path": k, "sha256": v.get("sha256") if isinstance(v, dict) else v} for k, v in files.items()]
-    files = [f for f in files if isinstance(f, dict) and isinstance(f.get("path"), str)]
+    files = [{"path": k, "sha256": v.get("sha256") if isinstance(v, dict) else v} for k, v in files.items()] \
+        if isinstance(files, dict) else [f for f in files if isinstance(f, dict) and isinstance(f.get("path"), str)]
     patterns = [p for p in patterns or [] if isinstance(p, str)] or [f["path"] for f in files]
     head = ["# --- stage: export ---", f"# The dataset {dataset} this run used (datasets/{dataset}/manifest.json):"]
     if not patterns:
@@ -225,8 +225,8 @@ class Watch:
 
     def idle(self, window_s: float | None) -> tuple[float, float]:
         with self.lock:
-            median = statistics.median(self.res.step_times) if self.res.step_times else 0.0
-            return time.monotonic() - self.last, window_s or max(10 * median, DEFAULT_WATCHDOG_S)
+            return time.monotonic() - self.last, window_s or max(10 * statistics.median(self.res.step_times or [0]),
+                                                                 DEFAULT_WATCHDOG_S)
 
 
 def run_watched(argv: list[str], log_path: Path, window_s: float | None, cwd: Path = paths.ROOT,
@@ -234,10 +234,9 @@ def run_watched(argv: list[str], log_path: Path, window_s: float | None, cwd: Pa
     """Run the launch, tee its output, and stop it when no progress is seen for the watchdog
     window (None: max(10 x median step, 300 s))."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    t0, res = time.monotonic(), LaunchResult(returncode=-1, wall_s=0)
-    watch = Watch(res, total)
-    proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    watch = Watch(res := LaunchResult(returncode=-1, wall_s=0), total)
+    t0, proc = time.monotonic(), subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.STDOUT, start_new_session=True)
     reader = threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)
     reader.start()
     while proc.poll() is None:
@@ -257,27 +256,18 @@ def run_watched(argv: list[str], log_path: Path, window_s: float | None, cwd: Pa
 def stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """SIGTERM the launcher's process group, then SIGKILL what is left after `grace`."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
+        with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):  # gone: SIGKILL finds none either
             os.killpg(proc.pid, sig)
-            proc.wait(timeout=grace)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def sweep_one(host: str, pattern: str) -> str:
-    r = run_on(host, ["sh", "-c", 'pkill -CONT -f -- "$1"; pkill -KILL -f -- "$1" && echo killed || true',
-                      "sh", pattern], timeout=15)
-    return "killed leftovers" if "killed" in r.stdout else "clean" if r.ok else f"unreachable: {r.stderr.strip()[:200]}"
+            return proc.wait(timeout=grace) and None
 
 
 def sweep(hf: Hostfile, run_rel: str) -> dict[str, str]:
     """Kill any rank process of this run left on any host (SIGCONT first so a frozen one can die)."""
-    hosts = hf.unique_ssh()
-    with ThreadPoolExecutor(len(hosts)) as pool:
-        return dict(zip(hosts, pool.map(sweep_one, hosts, [trainer_pattern(run_rel)] * len(hosts)), strict=True))
+    argv = ["sh", "-c", 'pkill -CONT -f -- "$1"; pkill -KILL -f -- "$1" && echo killed || true', "sh", trainer_pattern(run_rel)]
+    with ThreadPoolExecutor(len(hf.unique_ssh())) as pool:
+        rs = list(pool.map(lambda h: run_on(h, argv, timeout=15), hf.unique_ssh()))
+    return {r.host: "killed leftovers" if "killed" in r.stdout else "clean" if r.ok else
+            f"unreachable: {r.stderr.strip()[:200]}" for r in rs}
 
 
 def fetch(hf: Hostfile, run_rel: str, remote_root: str) -> dict[str, str]:
@@ -356,8 +346,7 @@ def print_category(category: str, why: str) -> None:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return list(jsonl.read(path)) if path.is_file() else []
+    return list(jsonl.read(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").is_file() else []
 
 
 # ---- what the launching stages share ----------------------------------------------------------
@@ -438,7 +427,7 @@ def conclude(run_dir: Path, stage: str, summary: dict, cfg: dict, argv: list[str
     if summary["category"] == OTHER_FAILURES["oom"][0]:
         print("fallback ladder (paste one; each keeps the global batch):", file=sys.stderr)
         print("\n".join(oom_ladder(cfg, argv, world)), file=sys.stderr)
-    event(stage, run=summary.get("run"), status="PASS" if summary["ok"] else "FAIL",
-          **({"test_loss": summary["test_loss"]} if "test_loss" in summary else {}), wall_s=summary["total_wall_s"],
-          **({"best_adapter": summary["best_adapter"]} if summary.get("best_adapter") else {}))
+    shown = {"test_loss": summary.get("test_loss"), "wall_s": summary["total_wall_s"], "best_adapter": summary.get("best_adapter")}
+    event(stage, run=summary.get("run"), status="PASS" if summary["ok"] else "FAIL", **{
+        k: v for k, v in shown.items() if v is not None or k == "test_loss" and k in summary})
     return 0 if summary["ok"] else 1
