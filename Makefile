@@ -241,7 +241,7 @@ compare: $(VENV)/.stamp | $(STAMPS)/train.$(RUN) $(STAMPS)/control.$(RUN)
 ## status: where RUN stands (step, ETA, loss, tok/s and last step per rank, checkpoint, failures, verdict); JSON=1
 .PHONY: status
 status:
-	$(PY) bin/status.py --run $(RUN) --hostfile $(HOSTFILE) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(JSON), --json)
+	$(PY) bin/status.py --run $(RUN) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(JSON), --json)
 
 ## calibrate: sync + check-parity, then per-host tok/s and memory, the all_sum curve and the expected speedup -> runs/calibration-<time>.json
 # Phony: a measurement, not a build product. CALIBRATE_ARGS: more bin/calibrate.py flags,

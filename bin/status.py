@@ -2,13 +2,12 @@
 """status: where a train/control run stands, from Mac1, while it runs and after; never touches it.
 
 Usage:
-    python bin/status.py --run RUN --hostfile H --remote-root DIR --python PY [--json] [--silent-s S]
+    python bin/status.py --run RUN --remote-root DIR --python PY [--json] [--silent-s S]
 
 Example (`make status RUN=stage1 JSON=1`, e.g. from cron):
-    python bin/status.py --run stage1 --hostfile hostfile.json --remote-root "$PWD" \
-        --python "$PWD/.venv/bin/python" --json
+    python bin/status.py --run stage1 --remote-root "$PWD" --python "$PWD/.venv/bin/python" --json
 
-One ssh call to rank 0's host (BatchMode, timeouts) runs a small script over its run folder:
+One ssh call to rank 0's host (the manifest's hostfile; BatchMode, timeouts) runs a small script:
 the tail of metrics.jsonl, logs/rank-R.failure.json, checkpoints/latest. Per-rank last-step
 times and tok/s come from this Mac's timestamped launch log (mlx.launch forwards every rank's
 `iter N rank R` line); the verdict from runs/<RUN>/<stage>.json once the stage has ended.
@@ -23,6 +22,7 @@ import calendar
 import json
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,12 +40,9 @@ import json, sys
 from pathlib import Path
 d = Path(sys.argv[1]); out = {"exists": d.is_dir(), "metrics": [], "failures": {}, "latest": None}
 m = d / "metrics.jsonl"
-if m.is_file():
-    with open(m, "rb") as f:
-        f.seek(max(0, f.seek(0, 2) - 65536))
-        for line in f.read().decode(errors="replace").splitlines()[-400:]:
-            try: out["metrics"].append(json.loads(line))
-            except ValueError: pass
+for line in (m.read_bytes()[-65536:].decode(errors="replace") if m.is_file() else "").splitlines():
+    try: out["metrics"].append(json.loads(line))
+    except ValueError: pass
 def load(p):
     try: return json.loads(p.read_text())
     except (OSError, ValueError): return {}
@@ -60,65 +57,48 @@ print(json.dumps(out))
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for flag in ("--run", "--hostfile", "--remote-root", "--python"):
+    for flag in ("--run", "--remote-root", "--python"):
         p.add_argument(flag, required=True)
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument("--silent-s", type=float, default=600.0, help="a running rank silent this long is a WARNING")
     return p
 
 
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def probe(man: dict, args, run_rel: str) -> dict | None:
     """Rank 0's view of the run folder over ssh (None: unreachable or no answer within 5 s)."""
     hosts = (man.get("fallback") or {}).get("hosts") or [h["ssh"] for h in (man.get("hostfile") or {}).get("hosts", [])]
-    if not hosts:
-        return None
-    r = run_on(hosts[0], ["sh", "-c", 'cd "$1" && exec "$2" - "$3"', "sh", args.remote_root, args.python, run_rel],
+    r = hosts and run_on(hosts[0], ["sh", "-c", 'cd "$1" && exec "$2" - "$3"', "sh", args.remote_root, args.python, run_rel],
                timeout=5, input=PROBE)
     try:
-        return json.loads(r.stdout) if r.ok else None
+        return json.loads(r.stdout) if r and r.ok else None
     except ValueError:
         return None
 
 
 def ranks_from_log(log: Path, now: float) -> dict:
-    """Per rank: last step, seconds since it, tok/s over its last 20 steps (the launch log's tail)."""
-    seen: dict[int, list] = {}
-    try:
-        with open(log, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - 262144))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return {}
-    for line in lines:
+    """Per rank: last step, seconds since it, tok/s and median step time over its last 20 steps."""
+    seen: dict[str, list] = {}
+    for line in (log.read_bytes()[-262144:].decode(errors="replace") if log.is_file() else "").splitlines():
         if m := RANK_LINE.match(line):
-            seen.setdefault(int(m[3]), []).append((m[1], int(m[2]), int(m[4]), float(m[5])))
+            seen.setdefault(m[3], []).append((m[1], int(m[2]), int(m[4]), float(m[5])))
     out = {}
     for r, rows in sorted(seen.items()):
-        ts, step = rows[-1][0], rows[-1][1]
-        tail = rows[-20:]
+        tail, ago = rows[-20:], now - calendar.timegm(time.strptime(rows[-1][0], "%Y-%m-%dT%H:%M:%SZ"))
         secs = sum(x[3] for x in tail)
-        out[str(r)] = {"last_step": step, "since_s": round(now - calendar.timegm(time.strptime(ts, "%Y-%m-%dT%H:%M:%SZ")), 1),
-                       "tok_per_s": round(sum(x[2] for x in tail) / secs, 1) if secs else None,
-                       "step_s": statistics.median(x[3] for x in tail)}
+        out[r] = {"last_step": rows[-1][1], "since_s": round(ago, 1), "step_s": statistics.median(x[3] for x in tail),
+                  "tok_per_s": round(sum(x[2] for x in tail) / secs, 1) if secs else None}
     return out
 
 
 def gather(args) -> tuple[dict, int]:
     run_dir, run_rel, now = paths.RUNS / args.run, f"runs/{args.run}", time.time()
-    man = read_json(run_dir / "manifest.json")
+    read = lambda p: json.loads(p.read_text()) if p.is_file() else {}  # noqa: E731 (written atomically)
+    man = read(run_dir / "manifest.json")
     stage = man.get("stage") or "train"
     running = "ended" not in (man.get("stages") or {}).get(stage, {"ended": None})
-    remote = probe(man, args, run_rel)
-    local = {"metrics": [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()[-400:] if x.strip()]
-             if (run_dir / "metrics.jsonl").is_file() else [], "failures": {}, "latest": None}
-    src = remote or local
+    remote = probe(man, args, run_rel)  # else this Mac's copy (complete once the stage has ended)
+    src = remote or json.loads(subprocess.run([sys.executable, "-", run_rel], input=PROBE, capture_output=True,
+                                              text=True, cwd=paths.ROOT).stdout)
     mets = src["metrics"]
     train = [m for m in mets if m.get("kind") == "train"]
     val = next((m for m in reversed(mets) if m.get("kind") == "val"), None)
@@ -126,9 +106,8 @@ def gather(args) -> tuple[dict, int]:
     iters = man.get("iters") or (next((m for m in reversed(mets) if m.get("kind") == "done"), {}).get("step"))
     step = train[-1]["step"] if train else None
     step_s = ranks.get("0", {}).get("step_s")
-    verdict = None if running else read_json(run_dir / f"{stage}.json")
-    st = {"run": args.run, "stage": stage, "running": running, "reachable": remote is not None,
-          "step": step, "iters": iters,
+    verdict = None if running else read(run_dir / f"{stage}.json")
+    st = {"run": args.run, "stage": stage, "running": running, "reachable": remote is not None, "step": step, "iters": iters,
           "eta_s": round((iters - step) * step_s, 1) if running and iters and step is not None and step_s else None,
           "train_loss": train[-1]["loss"] if train else None, "loss_trend": [round(m["loss"], 5) for m in train[-5:]],
           "last_val": {"step": val["step"], "loss": val["loss"]} if val else None, "ranks": ranks,
@@ -158,14 +137,13 @@ def main() -> int:
         print(json.dumps(st, sort_keys=True))
         return code
     eta = time.strftime("%H:%M:%S", time.gmtime(st["eta_s"])) if st["eta_s"] is not None else "-"
-    print(f"STATUS {st['status']} - {st['why']} | {st['stage']} step {st['step']}/{st['iters']} eta {eta} "
-          f"loss {st['train_loss']} val {st['last_val']} checkpoint {st['latest_checkpoint']}")
-    for r, v in st["ranks"].items():
-        print(f"rank {r}: step {v['last_step']}, {v['since_s']:.0f} s ago, {v['tok_per_s']} tok/s")
-    for name, f in st["failures"].items():
-        print(f"{name}: {f.get('category')}: {f.get('message')}")
+    print(f"STATUS {st['status']} - {st['why']} | {st['stage']} step {st['step']}/{st['iters']} eta {eta} loss "
+          f"{st['train_loss']} trend {st['loss_trend']} val {st['last_val']} checkpoint {st['latest_checkpoint']}")
+    print("".join(f"rank {r}: step {v['last_step']}, {v['since_s']:.0f} s ago, {v['tok_per_s']} tok/s\n"
+                  for r, v in st["ranks"].items()) + "".join(f"{n}: {f.get('category')}: {f.get('message')}\n"
+                                                             for n, f in st["failures"].items()), end="")
     if st["verdict"]:
-        print(f"verdict: {'PASS' if st['verdict']['ok'] else 'FAIL'} {st['verdict']}")
+        print(f"verdict: {'PASS' if st['verdict']['ok'] else 'FAIL'} {json.dumps(st['verdict'])}")
     return code
 
 
