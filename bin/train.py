@@ -2,39 +2,36 @@
 """The rank-side LoRA trainer: runs on every rank under mlx.launch, or alone as one rank.
 
 Usage:
-    mlx.launch --hostfile HOSTFILE --backend ring -- PYTHON bin/train.py --config CONFIG \
-        --model MODEL --data datasets/NAME --run-dir runs/RUN [--resume] [--iters N] \
-        [--seed S] [--expect-world-size W] [--launch-id ID] [--stop-at-step K]
-
+    mlx.launch --hostfile HOSTFILE --backend ring -- PYTHON bin/train.py --config CONFIG --model MODEL \
+        --data datasets/NAME --run-dir runs/RUN [--resume [--allow-world-change]] [--iters N] [--seed S] \
+        [--expect-world-size W] [--launch-id ID] [--stop-at-step K]
 Example (two ranks on this machine; without mlx.launch it runs as one rank):
-    .venv/bin/mlx.launch --hostfile hostfile.local.json --backend ring -- \
-        .venv/bin/python bin/train.py --config configs/smoke.yaml --model models/tiny-gemma4 \
-        --data datasets/domain_sft_v1_high_signal_thunder --run-dir runs/demo/smoke
+    .venv/bin/mlx.launch --hostfile hostfile.local.json --backend ring -- .venv/bin/python bin/train.py \
+        --config configs/smoke.yaml --model models/tiny-gemma4 --data datasets/domain_sft_v1_high_signal_thunder \
+        --run-dir runs/demo/smoke
 
-mlx-lm's LoRA training (its loading, LoRA layers, datasets, loss, evaluate and compiled step:
-the train loss equals `mlx_lm lora`'s; batch_size is the global batch) plus exact resume
-(the mx RNG key and the window saved in every checkpoint; mlx-lm's numpy data order replayed
-from the seed), atomic verified checkpoints (lib/checkpoint.py), per-rank logs, metrics and failure categories.
+mlx-lm's LoRA training (loading, LoRA layers, datasets, default_loss or lib/loss.py's chunked loss,
+evaluate, compiled step; batch_size is the global batch; `grad_average: tokens` weights each rank
+by its tokens so a dual run computes the single-host control's maths), exact resume (the mx RNG key
+and report window in every checkpoint, mlx-lm's numpy data order replayed from the seed; on another
+world size with --allow-world-change, the old ranks' shares accumulated), atomic verified checkpoints
+(lib/checkpoint.py), per-rank logs, metrics and failure categories. On macOS each rank runs
+/usr/bin/caffeinate -i -w PID so its Mac does not sleep.
 
 Files under --run-dir (the contract with lib/launch.py):
-    logs/rank-R.joined.json   the group is up (rank, world_size, host, backend, pid, launch_id,
-                              versions); after loading, also records, records_by_split,
-                              dataset_sha256, files_sha256. None => runtime parity.
-    logs/rank-R.failure.json  rank R stopped: category (lib.log.CATEGORIES or null), kind, anchor,
-                              message, step, exit_code (lib.log.FAILURES), launch_id.
+    logs/rank-R.joined.json   the group is up (rank, world_size, host, backend, pid, launch_id, versions);
+                              after loading also records(_by_split), dataset_sha256, files_sha256.
+    logs/rank-R.failure.json  category (lib.log.CATEGORIES or null), kind, anchor, message, step,
+                              exit_code (lib.log.FAILURES), launch_id.
     logs/rank-R.log           every line the rank printed, timestamped.
-    metrics.jsonl             rank 0: step, train, val, test, checkpoint, done events (step, loss,
-                              lr, tokens, tok_per_s, peak_mem_gb, wall_s); a resume moves later
-                              ones to metrics.superseded.jsonl.
-    checkpoints/step-NNNNNNN/ each also an mlx-lm adapter folder (adapters.safetensors +
-                              adapter_config.json): the best one loads with --adapter-path as is.
-    adapters/                 the newest adapter, mlx-lm's layout.
-Stdout: `rank-joined`, `progress rank R phase P` (model load, tokenizing, every evaluation: the
-watchdog's signal between steps), `iter N rank R loss X` (every step, every rank), `iter N
-train_loss X`, `val`, `checkpoint`, `test`, `done ... best_adapter PATH`, `failed`.
-A failure before training is agreed between the ranks (all exit with the failing rank's code);
-NaN/divergence is judged on the global loss (all stop at one step). Without --resume an earlier
-run's checkpoints, metrics and adapter move to superseded-<time>-<pid>/.
+    metrics.jsonl             rank 0: step (grad_norm), train, val, test, checkpoint, world-change,
+                              warning, done events (step, loss, lr, tokens, tok_per_s, peak_mem_gb,
+                              wall_s); a resume moves later ones to metrics.superseded.jsonl.
+    checkpoints/step-NNNNNNN/ each an mlx-lm adapter folder too (--adapter-path as is); adapters/ the newest.
+Stdout: `rank-joined`, `progress rank R phase P` (the watchdog's signal between steps), `iter N rank R
+loss X` (every step, every rank), `iter N train_loss X`, `val`, `checkpoint`, `test`, `warning`, `done ...
+best_adapter PATH`, `failed`. A failure before training is agreed between the ranks; NaN/divergence is
+judged on the global loss. Without --resume an earlier run moves to superseded-<time>-<pid>/.
 """
 
 from __future__ import annotations
@@ -85,10 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
     for key, typ in FLAGS:
         p.add_argument("--" + key.replace("_", "-"), type=typ, default=None)
     return p
-
-
-def overrides(args) -> dict:
-    return {key: getattr(args, key) for key, _ in FLAGS}
 
 
 # ---- per-rank output ------------------------------------------------------------------------------
@@ -468,62 +461,12 @@ def write_checkpoint(r, step: int, final: bool, window: dict, val_loss: float | 
 
 
 def pick_checkpoint(r) -> tuple[Path, dict] | None:
-    """Rank 0: a fresh start moves an earlier run aside; a resume takes the newest verified
-    checkpoint (quarantining damaged newer ones) and refuses a changed config or dataset."""
+    """Rank 0: a fresh start moves an earlier run aside; a resume takes the newest verified checkpoint."""
     if not r.args.resume:
-        if names := [n for n in ("checkpoints", "metrics.jsonl", "metrics.superseded.jsonl", "adapters")
-                     if (r.run_dir / n).exists()]:
-            dest = r.run_dir / f"superseded-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-            dest.mkdir()
-            for n in names:
-                os.replace(r.run_dir / n, dest / n)
+        if dest := ckpt.archive_run(r.run_dir):
             r.rep.line("fresh-start", rank=0, archived=dest)
         return None
-    chosen, skipped, notes = ckpt.find_resume(r.ckroot)
-    for name, why in skipped:
-        r.rep.line("checkpoint-skip", rank=0, name=name, reason=json.dumps(why))
-        ckpt.quarantine(r.ckroot, name)
-    for note in notes:
-        r.rep.warn(note)
-    if chosen is None:
-        raise RunbookError(f"--resume but no verified checkpoint under {r.ckroot}" + "".join(
-            f"; skipped {n}: {w}" for n, w in skipped) + "; start fresh without --resume (RESUME unset)", "resume")
-    st = ckpt.read_state(chosen)
-    if changed := C.diff_keys(st["config"], r.cfg):
-        was = ", ".join(f"{k}: {st['config'].get(k)!r} -> {r.cfg.get(k)!r}" for k in changed)
-        raise RunbookError(f"the config changed since {chosen.name} ({was}); restore it or start a new RUN", "resume")
-    if st["files_sha256"] != r.files_sha or st["data"]["n_batches"] != len(r.train_set) // r.cfg["batch_size"]:
-        raise failure(DATA, f"the dataset bytes changed since {chosen.name} (files sha256 {st['files_sha256'][:12]} "
-                            f"-> {r.files_sha[:12]}); restore the dataset or start a new RUN")
-    r.rep.line("resume", rank=0, checkpoint=chosen, step=st["step"], fell_back=len(skipped) > 0)
-    return chosen, st
-
-
-def read_fitting(mx, path: Path | None, own: dict, name: str) -> dict | None:
-    """Rank 0: the checkpoint's tensors, refused unless names, shapes and dtypes fit this model."""
-    if path is None:
-        return None
-    have = mx.load(str(path / f"{name}.safetensors"))
-    if bad := sorted(set(have) ^ set(own)) or [k for k in own if (have[k].shape, have[k].dtype) != (own[k].shape, own[k].dtype)]:
-        raise RunbookError(f"{path.name}/{name}.safetensors does not fit this model ({bad[:3]} ...)", "resume")
-    return have
-
-
-def shards_of(r, st: dict) -> int:
-    """The number of shares each global batch is cut into: the world size that began the run.
-    A resume on another world size (--allow-world-change, grad_average: tokens) accumulates the
-    old ranks' shares on each new rank, so the maths is the uninterrupted run's."""
-    shards, size = st.get("shards", st.get("world_size", r.coll.size)), r.coll.size
-    r.world_change = None
-    if shards == size:
-        return shards
-    if not r.args.allow_world_change or r.cfg["grad_average"] != "tokens" or shards % size:
-        raise RunbookError(f"the checkpoint's run began on {shards} ranks, this launch has {size}: resume with the "
-                           "same hostfile, or pass --allow-world-change (needs grad_average: tokens and a world size "
-                           f"dividing {shards}), or start a new RUN", "resume")
-    r.world_change = {"shards": shards, "world_size_from": st["world_size"], "world_size": size, "micro_batches": shards // size}
-    r.rep.line("world-change", rank=r.coll.rank, **r.world_change)
-    return shards
+    return ckpt.pick(r.ckroot, r.cfg, r.files_sha, len(r.train_set) // r.cfg["batch_size"], partial(r.rep.line, rank=0))
 
 
 def resume(r, picked: tuple[Path, dict] | None, st: dict) -> None:
@@ -531,8 +474,8 @@ def resume(r, picked: tuple[Path, dict] | None, st: dict) -> None:
     from mlx.utils import tree_flatten, tree_unflatten
 
     own_w, own_o = dict(tree_flatten(r.model.trainable_parameters())), dict(tree_flatten(r.optimizer.state))
-    w = r.coll.run(read_fitting, r.mx, picked and picked[0], own_w, "adapters")
-    o = r.coll.run(read_fitting, r.mx, picked and picked[0], own_o, "optimizer")
+    w = r.coll.run(ckpt.read_fitting, r.mx.load, picked and picked[0], own_w, "adapters")
+    o = r.coll.run(ckpt.read_fitting, r.mx.load, picked and picked[0], own_o, "optimizer")
     r.model.load_weights(list(r.coll.bcast_arrays(w, own_w).items()), strict=False)
     r.optimizer.state = tree_unflatten(list(r.coll.bcast_arrays(o, own_o).items()))
     k = st["rng"]["mx_key"]
@@ -542,16 +485,8 @@ def resume(r, picked: tuple[Path, dict] | None, st: dict) -> None:
     if (r.order.epoch, r.order.pos) != (st["data"]["epoch"], st["data"]["pos"]):
         raise failure(DATA, f"the replayed data order is at epoch {r.order.epoch} position {r.order.pos}, the "
                             f"checkpoint says {st['data']['epoch']}/{st['data']['pos']}: start a new RUN")
-    if r.coll.rank == 0:  # events after the resumed step move to metrics.superseded.jsonl
-        path, keep, moved = r.run_dir / "metrics.jsonl", [], []
-        for e in jsonl.read(path) if path.is_file() else []:
-            (moved if e.get("kind") == "done" or isinstance(e.get("step"), int) and e["step"] > st["step"] else keep).append(e)
-        if moved:
-            with open(r.run_dir / "metrics.superseded.jsonl", "a", encoding="utf-8") as f:
-                jsonl.write(f, moved)
-            with atomic.atomic_open(path, "w", encoding="utf-8") as f:
-                jsonl.write(f, keep)
-            r.rep.line("metrics-superseded", rank=0, events=len(moved), after_step=st["step"])
+    if r.coll.rank == 0 and (moved := ckpt.supersede_metrics(r.run_dir, st["step"])):
+        r.rep.line("metrics-superseded", rank=0, events=moved, after_step=st["step"])
 
 
 # ---- setup ----------------------------------------------------------------------------------------
@@ -574,7 +509,7 @@ def main() -> int:
 
 
 def resolve_config(args, world: int) -> dict:
-    cfg = C.resolve(args.config, overrides(args))
+    cfg = C.resolve(args.config, {key: getattr(args, key) for key, _ in FLAGS})
     C.check_world(cfg, world)
     return cfg
 
@@ -629,7 +564,9 @@ def start(r):
     cfg, mx, coll = r.cfg, r.mx, r.coll
     picked = coll.run(pick_checkpoint if coll.rank == 0 else None, r)
     st = json.loads(coll.bcast_bytes(json.dumps(picked[1]).encode() if picked else None)) if r.args.resume else {}
-    r.shards = shards_of(r, st)  # the global batch's shares: the world size that began the run
+    r.shards, r.world_change = ckpt.shards_for(st, coll.size, r.args.allow_world_change, cfg["grad_average"]) if st else (coll.size, None)
+    if r.world_change:
+        r.rep.line("world-change", rank=coll.rank, **r.world_change)
     r.plans = [batch_plan(r.train_set, cfg["batch_size"], j, r.shards) for j in range(coll.rank, r.shards, coll.size)]
     n_val = len(r.val_set) // cfg["batch_size"] if r.val_set is not None and cfg["val_batches"] != 0 else 0
     r.order = DataOrder(r.np, cfg["seed"], len(r.plans[0]), n_val, cfg["steps_per_eval"])
@@ -653,11 +590,10 @@ def losses(cfg: dict):
     """(train loss, eval loss) of the config: mlx-lm's default_loss, or lib/loss.py's chunked one."""
     from mlx_lm.tuner.trainer import default_loss
 
-    from lib import loss as L
+    from lib.loss import make_loss
 
-    if cfg.get("loss", "default") == "default":
-        return default_loss, default_loss
-    return L.make_loss(cfg["loss_chunk_tokens"]), L.make_loss(cfg["loss_chunk_tokens"], grad=False)
+    n = cfg.get("loss_chunk_tokens")
+    return (default_loss, default_loss) if cfg.get("loss", "default") == "default" else (make_loss(n), make_loss(n, grad=False))
 
 
 def compiled_step(r):

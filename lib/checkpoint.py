@@ -178,3 +178,88 @@ def prune(root: os.PathLike | str, keep_last_k: int) -> list[str]:
     if deleted:
         fsync_dir(root)
     return deleted
+
+
+# ---- the trainer's start: a fresh run or a resume ----------------------------------------------------
+RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.superseded.jsonl", "adapters")
+
+
+def archive_run(run_dir: os.PathLike | str) -> Path | None:
+    """A fresh start moves an earlier run's checkpoints, metrics and adapter to superseded-<time>-<pid>/."""
+    run_dir = Path(run_dir)
+    if not (names := [n for n in RUN_FILES if (run_dir / n).exists()]):
+        return None
+    dest = run_dir / f"superseded-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    dest.mkdir()
+    for n in names:
+        os.replace(run_dir / n, dest / n)
+    return dest
+
+
+def pick(root: Path, cfg: dict, files_sha: str, n_batches: int, say: Callable[..., None]) -> tuple[Path, dict]:
+    """The newest verified checkpoint (damaged newer ones quarantined) and its state; refused when
+    the config's maths or the dataset changed since. say(name, **fields) reports each decision."""
+    from lib.config import diff_keys
+    from lib.log import DATA, RunbookError, failure
+
+    chosen, skipped, notes = find_resume(root)
+    for name, why in skipped:
+        say("checkpoint-skip", name=name, reason=json.dumps(why))
+        quarantine(root, name)
+    for note in notes:
+        say("warning", message=json.dumps(note))
+    if chosen is None:
+        raise RunbookError(f"--resume but no verified checkpoint under {root}" + "".join(
+            f"; skipped {n}: {w}" for n, w in skipped) + "; start fresh without --resume (RESUME unset)", "resume")
+    st = read_state(chosen)
+    if changed := diff_keys(st["config"], cfg):
+        was = ", ".join(f"{k}: {st['config'].get(k)!r} -> {cfg.get(k)!r}" for k in changed)
+        raise RunbookError(f"the config changed since {chosen.name} ({was}); restore it or start a new RUN", "resume")
+    if st["files_sha256"] != files_sha or st["data"]["n_batches"] != n_batches:
+        raise failure(DATA, f"the dataset bytes changed since {chosen.name} (files sha256 {st['files_sha256'][:12]} "
+                            f"-> {files_sha[:12]}); restore the dataset or start a new RUN")
+    say("resume", checkpoint=chosen, step=st["step"], fell_back=len(skipped) > 0)
+    return chosen, st
+
+
+def supersede_metrics(run_dir: os.PathLike | str, step: int) -> int:
+    """A resume at `step` moves later metrics events (and `done`) to metrics.superseded.jsonl."""
+    from lib import atomic, jsonl
+
+    path, keep, moved = Path(run_dir) / "metrics.jsonl", [], []
+    for e in jsonl.read(path) if path.is_file() else []:
+        (moved if e.get("kind") == "done" or isinstance(e.get("step"), int) and e["step"] > step else keep).append(e)
+    if moved:
+        with open(Path(run_dir) / "metrics.superseded.jsonl", "a", encoding="utf-8") as f:
+            jsonl.write(f, moved)
+        with atomic.atomic_open(path, "w", encoding="utf-8") as f:
+            jsonl.write(f, keep)
+    return len(moved)
+
+
+def read_fitting(load: Callable[[str], dict], path: Path | None, own: dict, name: str) -> dict | None:
+    """Rank 0: a checkpoint's tensors (load = mx.load), refused unless names, shapes and dtypes fit `own`."""
+    from lib.log import RunbookError
+
+    if path is None:
+        return None
+    have = load(str(path / f"{name}.safetensors"))
+    if bad := sorted(set(have) ^ set(own)) or [k for k in own if (have[k].shape, have[k].dtype) != (own[k].shape, own[k].dtype)]:
+        raise RunbookError(f"{path.name}/{name}.safetensors does not fit this model ({bad[:3]} ...)", "resume")
+    return have
+
+
+def shards_for(st: dict, size: int, allow_change: bool, grad_average: str) -> tuple[int, dict | None]:
+    """(shares each global batch is cut into: the world size that began the run, the world change or
+    None). Another world size needs --allow-world-change and grad_average: tokens: each new rank then
+    accumulates the old ranks' shares, so the maths is the uninterrupted run's."""
+    from lib.log import RunbookError
+
+    shards = st.get("shards", st.get("world_size", size))
+    if shards == size:
+        return shards, None
+    if not allow_change or grad_average != "tokens" or shards % size:
+        raise RunbookError(f"the checkpoint's run began on {shards} ranks, this launch has {size}: resume with the "
+                           "same hostfile, or pass --allow-world-change (needs grad_average: tokens and a world size "
+                           f"dividing {shards}), or start a new RUN", "resume")
+    return shards, {"shards": shards, "world_size_from": st["world_size"], "world_size": size, "micro_batches": shards // size}
