@@ -84,8 +84,6 @@ def one_rank(cfg_path, data, run_dir, *extra):
 
 
 def adapter_rel(a: Path, b: Path) -> float:
-    import mlx.core as mx
-
     x, y = tensors(a / "adapters" / "adapters.safetensors"), tensors(b / "adapters" / "adapters.safetensors")
     assert sorted(x) == sorted(y)
     x, y = ({k: v for k, v in t.items() if "lora_b" in k} for t in (x, y))  # lora_a starts random, lora_b at 0
@@ -196,7 +194,7 @@ def test_all_reduce_on_cpu_stream_and_losses_equal_mlx_lm(monkeypatch):
         r2.optimizer.update(r2.model, real(g))
         mx.eval(r2.model.parameters(), r2.optimizer.state, lv)
         theirs.append(lv.item())
-    assert max(rel(a, c) for a, c in zip(ours, theirs)) <= 1e-5, (ours, theirs)
+    assert max(rel(a, c) for a, c in zip(ours, theirs, strict=True)) <= 1e-5, (ours, theirs)
 
 
 def test_chunked_loss_is_wired_and_equal_at_step_one():
