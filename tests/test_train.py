@@ -197,6 +197,7 @@ def test_baseline_run_writes_the_contract(baseline, data):
         assert len(re.findall(rf"Z iter \d+ rank {r} loss ", log)) == 12
     kinds = [json.loads(line)["kind"] for line in (baseline / "metrics.jsonl").read_text().splitlines()]
     assert kinds.count("step") == 12 and kinds.count("train") == 4 and kinds.count("test") == 1
+    assert "warning" not in kinds  # the validation loss fell: no no-improvement warning
     for e in map(json.loads, (baseline / "metrics.jsonl").read_text().splitlines()):
         assert {"step", "kind", "loss", "lr", "tokens", "tok_per_s", "peak_mem_gb", "wall_s"} <= set(e)
     assert sorted(events(baseline, "val")) == [0, 4, 8, 12]
