@@ -126,7 +126,8 @@ def main() -> int:
     except (RunbookError, ValueError) as e:
         return die(e, 2)
     run_dir, run_rel = paths.run_dir(args.run), f"runs/{args.run}"
-    v = {**launch.variables(args, RESUME="1" if args.resume else ""), **{k: x for k, x in dual.items() if x}}
+    v = {**launch.variables(args, RESUME="1" if args.resume else "", RESTARTS=args.restarts,
+                                FALLBACK="1" if args.fallback else ""), **{k: x for k, x in dual.items() if x}}
     extra = {"world_size": hf.size, "stage": args.stage, "iters": cfg.get("iters"), **({"control_of": dual["RUN"]} if dual else {})}
     launch.write_manifest(run_dir, args.stage, v, hf, extra)
     if dual and (dual_manifest := paths.RUNS / dual["RUN"] / "manifest.json").is_file():

@@ -148,3 +148,13 @@ def test_reproduce_says_when_the_corpus_is_not_recorded(tmp_path, monkeypatch):
     text = (tmp_path / "reproduce.sh").read_text()
     assert "corpus not recorded" in text and text.index("stage: export") < text.index("stage: smoke")
     assert [ln for ln in text.splitlines() if ln.startswith("make ")] == ["make smoke"]
+
+
+def test_operator_sees_one_step_line_per_report_not_the_per_rank_lines():
+    w = launch.Watch(launch.LaunchResult(returncode=-1, wall_s=0), total=100)
+    assert w.saw("iter 1 rank 1 loss 8.1 rank_loss 8.2 tokens 900 step_s 0.5\n", 10.0) is None
+    assert w.saw("iter 2 rank 0 loss 8.0 rank_loss 8.0 tokens 900 step_s 0.5\n", 12.0) is None
+    line = w.saw("iter 2 train_loss 8.05 lr 1e-05 tok/s 1800.4 peak_mem_gb 1.25 trained_tokens 3600 it/s 2\n", 12.0)
+    assert line == "step 2/100 loss 8.05 tok/s 1800 eta 00:03:16 peak_mem_gb 1.25"  # 98 steps x 2 s
+    assert w.saw("val step 2 val_loss 7.9 val_s 0.1\n", 12.5) == "val step 2 val_loss 7.9 val_s 0.1"
+    assert w.res.steps == [1, 2] and w.res.step_times == [2.0]
