@@ -182,3 +182,32 @@ def test_sweep_removes_only_temporaries(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+# ---- the trainer's start: world size, archive, metrics -------------------------------------------
+def test_world_change_needs_the_flag_token_weighting_and_a_divisor():
+    from lib.log import RunbookError
+
+    st = {"world_size": 2, "step": 3}
+    assert ckpt.shards_for(st, 2, False, "mlx_lm") == (2, None)
+    assert ckpt.shards_for(st, 1, True, "tokens") == (2, {"shards": 2, "world_size_from": 2, "world_size": 1,
+                                                          "micro_batches": 2})
+    # a checkpoint written after a world change keeps the run's shares: resuming it asks for the flag again
+    assert ckpt.shards_for({"world_size": 1, "shards": 2}, 1, True, "tokens")[1]["micro_batches"] == 2
+    for size, allow, avg in ((1, False, "tokens"), (1, True, "mlx_lm"), (3, True, "tokens")):
+        with pytest.raises(RunbookError, match="--allow-world-change") as e:
+            ckpt.shards_for({"world_size": 2}, size, allow, avg)
+        assert e.value.anchor == "resume"
+
+
+def test_archive_run_and_supersede_metrics(tmp_path):
+    assert ckpt.archive_run(tmp_path) is None
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "kind": k}) + "\n"
+                                                    for s, k in ((1, "step"), (2, "step"), (3, "step"), (3, "done"))))
+    assert ckpt.supersede_metrics(tmp_path, 1) == 3
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert len((tmp_path / "metrics.superseded.jsonl").read_text().splitlines()) == 3
+    dest = ckpt.archive_run(tmp_path)
+    assert sorted(p.name for p in dest.iterdir()) == ["checkpoints", "metrics.jsonl", "metrics.superseded.jsonl"]
+    assert not (tmp_path / "checkpoints").exists()
