@@ -238,10 +238,10 @@ $(STAMPS)/control.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,control)
 compare: $(VENV)/.stamp | $(STAMPS)/train.$(RUN) $(STAMPS)/control.$(RUN)
 	$(PY) bin/compare.py --run $(RUN)$(if $(TOLERANCE), --tolerance $(TOLERANCE))$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))$(if $(MIN_GAIN), --min-gain $(MIN_GAIN))$(if $(TEST_BATCHES), --test-batches $(TEST_BATCHES))
 
-## status: where RUN stands (step, ETA, loss, tok/s and last step per rank, checkpoint, failures, verdict); JSON=1
+## status: where RUN stands (step, ETA, loss, tok/s and last step per rank, checkpoint, failures, verdict); JSON=1; exit as check-parity
 .PHONY: status
 status:
-	$(PY) bin/status.py --run $(RUN) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(JSON), --json)
+	$(if $(JSON),@)$(PY) bin/status.py --run $(RUN) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(JSON), --json) || [ $$? -eq 1 ]
 
 ## calibrate: sync + check-parity, then per-host tok/s and memory, the all_sum curve and the expected speedup -> runs/calibration-<time>.json
 # Phony: a measurement, not a build product. CALIBRATE_ARGS: more bin/calibrate.py flags,
