@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def overrides(args) -> dict:
+    return {key: getattr(args, key) for key, _ in FLAGS}
+
+
 # ---- per-rank output ------------------------------------------------------------------------------
 class Reporter:
     """The rank's output, a callback object as mlx-lm's TrainingCallback: one plain line per event
@@ -509,7 +513,7 @@ def main() -> int:
 
 
 def resolve_config(args, world: int) -> dict:
-    cfg = C.resolve(args.config, {key: getattr(args, key) for key, _ in FLAGS})
+    cfg = C.resolve(args.config, overrides(args))
     C.check_world(cfg, world)
     return cfg
 
