@@ -43,6 +43,7 @@ from lib.log import THUNDER as THUNDER_CATEGORY  # noqa: E402
 FORMAT, FORMAT_VERSION = "thunder-runbook/compare-report", 1
 DEFAULT_TOLERANCE, DEFAULT_MIN_SPEEDUP, DEFAULT_MIN_GAIN = 0.02, 1.0, 0.0
 WORSE = OTHER_FAILURES["worse"][0]  # anchor compare-worse-than-base
+EXACT_REL = 1e-5  # dual vs control step-1 loss with token-weighted gradients: float summation order only
 PASS, THUNDER, NOT_COMPARABLE, DUAL_FAILED = "pass", "underperforms control: Thunder path", "not comparable", \
     "dual run failed"
 ANCHOR_NOT_COMPARABLE = "compare-not-comparable"
@@ -268,6 +269,9 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
     if problems:
         v["reasons"] += problems[:-1]
         return fail(NOT_COMPARABLE, None, problems[-1], code=2, anchor=ANCHOR_NOT_COMPARABLE)
+    v["exact"] = exactness(dual, control)
+    if v["exact"] and not v["exact"]["ok"]:
+        return fail(THUNDER, THUNDER_CATEGORY, v["exact"]["why"])
     rel, need = v["relative_loss_diff"], f", required > {min_speedup:g}x" if min_speedup != 1 else ""
     v["loss_ok"], v["faster"] = rel <= tolerance + 1e-12, v["speedup"] > min_speedup  # at the tolerance: within
     if not v["loss_ok"]:
@@ -284,6 +288,27 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
         v["reasons"].append(f"note: the dual loss is better than the control's by more than the tolerance "
                             f"({100 * rel:+.2f}%): check both ran the same config")
     return v
+
+
+def exactness(dual: dict, control: dict) -> dict | None:
+    """With token-weighted gradients (grad_average: tokens) on both, the dual run computes what the
+    control computes up to float summation order. Step 1 starts from the same weights on the same
+    global batch, so its losses may differ only by float error (EXACT_REL): a larger gap is a
+    correctness failure of the Thunder path, not a slow one. Later steps are reported, not judged:
+    float error compounds through the optimizer. None when either run averages as mlx-lm does."""
+    if not all((r.get("config") or {}).get("grad_average") == "tokens" for r in (dual, control)):
+        return None
+    d, c = (dict(curve(r.get("metrics") or [], "step")) for r in (dual, control))
+    common = sorted(set(d) & set(c))
+    if 1 not in common:
+        return {"ok": False, "why": "no step-1 loss in both runs' metrics.jsonl to prove dual = control: re-run them"}
+    rel = {k: abs(d[k] - c[k]) / max(abs(c[k]), 1e-12) for k in common}
+    ok = rel[1] <= EXACT_REL
+    why = (f"step-1 loss dual {d[1]:.9g} vs control {c[1]:.9g}: relative {rel[1]:.2e} "
+           f"{'within' if ok else 'over'} float error {EXACT_REL:g} with token-weighted gradients"
+           + ("" if ok else ": the dual run does not compute what the control computes (data order, masking, "
+              "token counts or the all-reduce differ)"))
+    return {"ok": ok, "why": why, "step1_rel": rel[1], "max_rel": max(rel.values()), "steps": len(common)}
 
 
 # ---- evaluation (mlx-lm's pieces) and the curves ----------------------------------------------------
@@ -383,7 +408,8 @@ def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v
             "verdict", "ok", "category", "anchor", "reasons", "exit_code")},
         "tolerance": args.tolerance, "min_speedup": args.min_speedup, "min_gain": args.min_gain,
         "loss": {**{k: rows[k]["loss"] for k in rows}, "relative_diff": finite(v["relative_loss_diff"]),
-                 "within_tolerance": v["loss_ok"], "base_gain": finite(v["base_gain"]), "beats_base": v["beats_base"]},
+                 "within_tolerance": v["loss_ok"], "base_gain": finite(v["base_gain"]), "beats_base": v["beats_base"],
+                 "exact": v.get("exact")},
         "throughput": {"dual_tok_per_s": dual["tok_per_s"], "control_tok_per_s": control["tok_per_s"],
                        "speedup": finite(v["speedup"]), "world_size_ratio": (dual["world_size"] or 1) / (control[
                            "world_size"] or 1), "scaling_efficiency": finite(v["scaling_efficiency"]), "faster": v["faster"]},

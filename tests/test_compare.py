@@ -178,6 +178,28 @@ def test_verdict_pass():
     assert v["ok"] and any("better than the control" in r for r in v["reasons"])
 
 
+def token_weighted(losses, grad_average="tokens", **kw):
+    mets = [{"kind": "step", "step": i + 1, "loss": x} for i, x in enumerate(losses)]
+    return {**facts(**kw), "config": {"grad_average": grad_average}, "metrics": mets}
+
+
+def test_token_weighted_dual_must_compute_what_the_control_computes():
+    """#19: with grad_average: tokens on both runs, step 1 (same weights, same global batch) may differ by
+    float summation order only; a larger gap is the Thunder path failing on correctness, even when the
+    test losses are within the 2% tolerance and the dual run is faster."""
+    losses = {"dual": 2.0, "control": 2.0}
+    v = compare.decide(token_weighted([8.0401, 7.9], tok_per_s=1800, world_size=2),
+                       token_weighted([8.0401 * (1 + 3e-7), 7.91]), losses, [], 0.02)
+    assert v["ok"] and v["exact"]["ok"] and v["exact"]["step1_rel"] == pytest.approx(3e-7, rel=1e-3)
+    v = compare.decide(token_weighted([8.0401, 7.9], tok_per_s=1800, world_size=2),
+                       token_weighted([8.0401 * (1 + 2e-4), 7.9]), losses, [], 0.02)
+    assert not v["ok"] and v["category"] == compare.THUNDER_CATEGORY and "does not compute what" in v["reasons"][-1]
+    # mlx-lm's averaging on either side: no exactness claim, the tolerance decides as before.
+    v = compare.decide(token_weighted([8.0401], "mlx_lm", tok_per_s=1800, world_size=2),
+                       token_weighted([8.1]), losses, [], 0.02)
+    assert v["ok"] and v["exact"] is None
+
+
 def test_verdict_slower_dual_is_thunder_path():
     v = compare.decide(facts(tok_per_s=900, world_size=2), facts(tok_per_s=1000), {"dual": 2.0, "control": 2.0},
                        [], 0.02)
