@@ -199,7 +199,9 @@ CAFFEINATE   = $(if $(wildcard $(CAFFEINATE_BIN)),$(CAFFEINATE_BIN) -i )
 RESTART_ARGS = $(if $(RESTARTS), --restarts $(RESTARTS))$(if $(FALLBACK), --fallback)
 
 # check-parity exit 1 is WARNING (e.g. a slow link): reported, not blocking.
-PARITY_GATE  = $(PARITY_CMD) || [ $$? -eq 1 ]
+# Its own state dir (runs/RUN/parity: lock and last.json), so a cron check-parity holding
+# runs/parity/.lock never stops a launch, and the run folder keeps the check that let it start.
+PARITY_GATE  = $(PARITY_CMD) --state-dir runs/$(RUN)/parity || [ $$? -eq 1 ]
 
 ## smoke: sync + check-parity, then a tiny run through mlx.launch: checkpoint, resume, criteria
 .PHONY: smoke

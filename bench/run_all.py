@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import fabric_cli  # noqa: E402  (bench/fabric_cli.py: the fabric through its CLI)
+
 from lib import atomic  # noqa: E402
 
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
@@ -170,8 +171,6 @@ class FabricBench:
     def smoke(self) -> list[str]:
         run = f"bench-smoke-{os.getpid()}"
         hf = self.fab.hostfile(2)
-        ok_dir = ROOT / ".stamps" / "smoke-ok"
-        before = set(ok_dir.glob("*.json")) if ok_dir.is_dir() else set()
         self.made += [ROOT / "runs" / run, ROOT / ".stamps" / f"smoke.{run}"]
         argv = ["make", "--no-print-directory", "smoke", f"RUN={run}", f"HOSTFILE={hf}",
                 f"REMOTE_ROOT={self.fab.remote_root}", f"PYTHON={self.fab.python}", f"MODEL={MODEL}",
@@ -179,7 +178,6 @@ class FabricBench:
         t0 = time.monotonic()
         p = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=600)
         wall = time.monotonic() - t0
-        self.made += sorted(set(ok_dir.glob("*.json")) - before) if ok_dir.is_dir() else []
         if p.returncode:
             raise RuntimeError(f"make smoke failed:\n{p.stdout[-2500:]}\n{p.stderr[-1500:]}")
         summary = json.loads((ROOT / "runs" / run / "smoke.json").read_text())

@@ -11,8 +11,8 @@ Example (what `make train` runs after sync and check-parity):
         --config configs/stage1.yaml --model mlx-community/gemma-4-e2b-it-bf16 \
         --dataset domain_sft_v1_high_signal_thunder --remote-root "$PWD" --python "$PWD/.venv/bin/python"
 
-train needs a passing smoke for the same code, dataset, model and hostfile and writes
-runs/<RUN>/train.json; control runs the same config, dataset, seed and global batch as a
+The smoke gate is make's (train's stamp depends on smoke's, which re-runs on any change to code,
+dataset, model or hostfile); train writes runs/<RUN>/train.json; control runs the same config, dataset, seed and global batch as a
 world of one on one host (rank 0's by default) in runs/<RUN>-control/ and writes control.json.
 Both write manifest.json and reproduce.sh first; the summary names the best-by-validation
 adapter (a checkpoint folder that mlx_lm generate/fuse load as it is).
@@ -48,8 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_common_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint")
     p.add_argument("--control-host", default="", help="control: the host to run on (default: rank 0's)")
-    p.add_argument("--skip-smoke-check", action="store_true",
-                   help="train without a passing smoke for this code/dataset/model/hostfile (not for real runs)")
     p.add_argument("--restarts", type=int, default=0, help="resume automatically after a rank death, hang or partition, at most N times")
     p.add_argument("--fallback", action="store_true", help="at the last restart, go on without a host still unreachable")
     return p
@@ -116,10 +114,6 @@ def main() -> int:
         hf, cfg = launch.load_inputs(args)
         dual = control_setup(args, hf) if args.stage == "control" else {}
         hf = load_hostfile(args.hostfile)
-        if args.stage == "train" and not args.skip_smoke_check and not (
-                paths.ROOT / ".stamps/smoke-ok" / f"{launch.smoke_key(args.hostfile, args.dataset, args.model)}.json").is_file():
-            raise RunbookError("no passing smoke for this code, dataset, model and hostfile: run `make smoke "
-                               f"HOSTFILE={args.hostfile} DATASET={args.dataset} MODEL={args.model}` first", "smoke")
         if args.fallback and cfg.get("grad_average") != "tokens":
             raise RunbookError(f"{args.config}: FALLBACK=1 resumes on fewer hosts with the same global batch, which "
                                "needs `grad_average: tokens` in the config (set it before the run starts)", "restarts-and-fallback")

@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, launch, paths  # noqa: E402
 from lib import checkpoint as ckpt  # noqa: E402
+from lib import launch, paths  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 
 
@@ -89,11 +89,8 @@ def main() -> int:
     summary = launch.summarize(res2 or res, cat, why, {
         "stage": "smoke", "run": args.run, "run_dir": run_rel, "world_size": hf.size,
         "criteria": {k: {"ok": c, "detail": d} for k, (c, d) in crit.items()},
-        "smoke_key": launch.smoke_key(args.hostfile, args.dataset, args.model) if ok else None,
         "launches": [{"returncode": r.returncode, "wall_s": round(r.wall_s, 3)} for r in (res, res2) if r],
         "swept": ev.get("swept"), "total_wall_s": round(time.time() - t0, 3), "ok": ok})
-    if ok:
-        atomic.write_json(paths.ROOT / ".stamps" / "smoke-ok" / f"{summary['smoke_key']}.json", {"run": args.run, "ts": time.time()})
     return launch.conclude(run_dir, "smoke", summary, cfg, argv2 or argv, hf.size)
 
 

@@ -389,12 +389,6 @@ def trainer_args(args, run_rel: str, config: str, iters: int | None = None, resu
     return a + (["--resume"] if resume else [])
 
 
-def smoke_key(hostfile_path: str, dataset: str, model: str) -> str:
-    """What a passing smoke vouches for: code, lock, dataset, model and hostfile."""
-    return digest_of({"code": digest_of(tree_hashes(paths.ROOT, ["bin", "lib", "configs", "requirements.lock"])),
-                      "dataset": dataset_sha256(dataset), "model": model_hash(model), "hostfile": sha256_file(hostfile_path)})
-
-
 def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str,
                        total: int | None = None) -> tuple[LaunchResult, dict, list[str]]:
     """One launch: run it watched, sweep the hosts, fetch the artifacts, read the ranks' events."""

@@ -99,7 +99,7 @@ def helper_anchors() -> dict[str, str]:
                     found.setdefault(last.value, f"{path.name}:{node.lineno}")
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
                 for t in node.targets:
-                    for name, value in zip(getattr(t, "elts", []), node.value.elts):
+                    for name, value in zip(getattr(t, "elts", []), node.value.elts, strict=False):
                         if "ANCHOR" in getattr(name, "id", "") and isinstance(value, ast.Constant):
                             found.setdefault(value.value, f"{path.name}:{node.lineno}")
     return found

@@ -215,7 +215,7 @@ def test_absurd_learning_rate_is_stability(fabric_faults):
 def train_directly(fabric, hosts, run):
     """bin/run.py --stage train on the hosts without make (so no sync or check-parity repairs or
     refuses the fault first)."""
-    return subprocess.run([PY, "bin/run.py", "--stage", "train", "--skip-smoke-check", "--run", run,
+    return subprocess.run([PY, "bin/run.py", "--stage", "train", "--run", run,
                            "--hostfile", str(fabric.hostfile(hosts)), "--config", "configs/smoke.yaml",
                            "--model", MODEL, "--dataset", DATASET, "--remote-root", fabric.remote_root,
                            "--python", fabric.python],

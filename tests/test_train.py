@@ -410,7 +410,7 @@ def long_test_run(model, tmp_path_factory):
 
 
 def run_stage(dataset, cfg, run_id, **kw):
-    return subprocess.Popen([PY, "bin/run.py", "--stage", "train", "--skip-smoke-check", "--run", run_id,
+    return subprocess.Popen([PY, "bin/run.py", "--stage", "train", "--run", run_id,
                              "--hostfile", HOSTFILE, "--config", str(cfg), "--model", str(MODEL), "--dataset", dataset,
                              "--remote-root", str(ROOT), "--python", PY, "--watchdog", str(WATCHDOG_S),
                              "--port", str(free_port_pair())],
