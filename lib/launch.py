@@ -414,6 +414,11 @@ def summarize(res: LaunchResult, category: str | None, why: str, extra: dict) ->
 def conclude(run_dir: Path, stage: str, summary: dict, cfg: dict, argv: list[str], world: int) -> int:
     """The end of a launching stage: <stage>.json, the manifest, the category and (out of
     memory) the fallback ladder on stderr, the PASS/FAIL line. Returns the exit code."""
+    # The trainer's warnings (e.g. what "no-improvement": the final validation loss is not below
+    # step 0's) go into the summary and, once more, onto Mac1's terminal just above PASS/FAIL.
+    summary["warnings"] = [m for m in metrics(run_dir) if isinstance(m, dict) and m.get("kind") == "warning"]
+    for w in summary["warnings"]:
+        event("warning", stage=stage, what=w.get("what"), message=json.dumps(w.get("message")))
     atomic.write_json(run_dir / f"{stage}.json", summary)
     finish_manifest(run_dir, stage, summary)
     if summary["category"]:

@@ -158,3 +158,19 @@ def test_operator_sees_one_step_line_per_report_not_the_per_rank_lines():
     assert line == "step 2/100 loss 8.05 tok/s 1800 eta 00:03:16 peak_mem_gb 1.25"  # 98 steps x 2 s
     assert w.saw("val step 2 val_loss 7.9 val_s 0.1\n", 12.5) == "val step 2 val_loss 7.9 val_s 0.1"
     assert w.res.steps == [1, 2] and w.res.step_times == [2.0]
+
+
+def test_conclude_puts_the_trainers_no_improvement_warning_in_the_summary(tmp_path, capsys):
+    """#18: a run whose final validation loss is not below step 0's says so in train.json and on Mac1."""
+    import json
+
+    warn = {"step": 20, "kind": "warning", "what": "no-improvement", "loss": 8.1, "val_loss_step0": 8.0,
+            "message": "the final validation loss 8.1 (step 20) is not below step 0's 8.0"}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "kind": "step", "loss": 8.0}) + "\n"
+                                            + json.dumps(warn) + "\n")
+    (tmp_path / "manifest.json").write_text("{}")
+    summary = {"ok": True, "category": None, "why": "", "run": "r", "total_wall_s": 1.0, "test_loss": 8.2}
+    assert launch.conclude(tmp_path, "train", summary, {}, [], 2) == 0
+    assert json.loads((tmp_path / "train.json").read_text())["warnings"] == [warn]
+    out = capsys.readouterr().out
+    assert "warning stage train what no-improvement" in out and "not below step 0" in out
