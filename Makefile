@@ -149,9 +149,9 @@ need = $(if $($(1)),,$(error $(1) is not set: put `$(1) = ...` in $(SETTINGS) or
 # The demo's generated model never goes to the real Macs by default: with hostfile.json and
 # no $(SETTINGS), a tiny model stops here.
 guard_real = $(if $(and $(filter hostfile.json,$(HOSTFILE)),$(filter models/tiny-%,$(MODEL)),$(if $(wildcard $(SETTINGS)),,no)),$(error MODEL=$(MODEL) is the generated tiny model and HOSTFILE=hostfile.json names the real Macs: write $(SETTINGS) with your MODEL, CORPUS, DATASET, HOSTFILE, REMOTE_ROOT, PYTHON; see RUNBOOK.md$(HASH)settings))
-# A stage's stamp stands only while its run folder says PASS (runs/RUN/<stage>.json, "ok": true):
-# a removed or failed run re-runs its stage.
-passed = $(shell grep -qs '^  "ok": true,\{0,1\}$$' runs/$(RUN)/$(1).json && echo yes)
+# A stage's stamp stands only while its summary says PASS ("ok": true in runs/RUN/<stage>.json;
+# the control's is runs/RUN-control/control.json): a removed or failed run re-runs its stage.
+passed = $(shell grep -qs '^  "ok": true,\{0,1\}$$' $(1) && echo yes)
 stale  = $(if $(call passed,$(1)),,FORCE)
 
 .PHONY: FORCE
@@ -207,7 +207,7 @@ PARITY_GATE  = $(PARITY_CMD) --state-dir runs/$(RUN)/parity || [ $$? -eq 1 ]
 .PHONY: smoke
 smoke: $(STAMPS)/smoke.$(RUN)
 
-$(STAMPS)/smoke.$(RUN): datasets/$(DATASET)/manifest.json $(CODE) $(SMOKE_CONFIG) $(HOSTFILE) $(VENV)/.stamp $(call stale,smoke) | $(STAMPS)
+$(STAMPS)/smoke.$(RUN): datasets/$(DATASET)/manifest.json $(CODE) $(SMOKE_CONFIG) $(HOSTFILE) $(VENV)/.stamp $(call stale,runs/$(RUN)/smoke.json) | $(STAMPS)
 	$(call need,MODEL)$(guard_real)$(SYNC_CMD)
 	$(PARITY_GATE)
 	$(PY) bin/smoke.py --config $(SMOKE_CONFIG) $(LAUNCH_ARGS)
@@ -217,7 +217,7 @@ $(STAMPS)/smoke.$(RUN): datasets/$(DATASET)/manifest.json $(CODE) $(SMOKE_CONFIG
 .PHONY: train
 train: $(STAMPS)/train.$(RUN)
 
-$(STAMPS)/train.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,train) | $(STAMPS)
+$(STAMPS)/train.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,runs/$(RUN)/train.json) | $(STAMPS)
 	$(SYNC_CMD)
 	$(PARITY_GATE)
 	$(CAFFEINATE)$(PY) bin/run.py --stage train --config $(CONFIG) $(LAUNCH_ARGS)$(RESTART_ARGS)$(if $(RESUME), --resume)
@@ -227,7 +227,7 @@ $(STAMPS)/train.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,train) | $
 .PHONY: control
 control: $(STAMPS)/control.$(RUN)
 
-$(STAMPS)/control.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,control) | $(STAMPS)
+$(STAMPS)/control.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,runs/$(RUN)-control/control.json) | $(STAMPS)
 	$(SYNC_CMD)
 	$(PARITY_GATE)
 	$(CAFFEINATE)$(PY) bin/run.py --stage control --config $(CONFIG) $(LAUNCH_ARGS)$(RESTART_ARGS)$(if $(CONTROL_HOST), --control-host $(CONTROL_HOST))

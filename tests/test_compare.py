@@ -628,7 +628,9 @@ def harmful_adapter(world, trained, recipe: str, out: Path) -> dict:
     return world
 
 
-@pytest.mark.parametrize("recipe", ["garbage-targets", "reversed-update"])
+# "garbage-targets" (an adapter trained by mlx_lm lora on random-letter targets) is the same verdict
+# path at 67 s; kept callable, not in make test's 15-minute budget.
+@pytest.mark.parametrize("recipe", ["reversed-update"])
 def test_adapter_worse_than_base_is_not_promoted_even_when_the_control_is_as_bad(world, trained, recipe):
     """#18: dual and control carry the same harmful adapter: equal losses (within tolerance) and the dual
     run faster, which used to pass. Their test loss is above the base model's: `worse than the base model`."""
