@@ -6,7 +6,7 @@ Example:
     subprocess.run(["ssh", fab.hosts[0], "true"], env=fab.env())
     fabric_cli.down(fab.dir)
 
-Also the two small builders the benchmarks share with the tests (copies of tests/support.py's).
+Also the two small builders the benchmarks and the tests share (tests/support.py re-exports them).
 """
 
 from __future__ import annotations
