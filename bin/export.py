@@ -21,6 +21,7 @@ import glob
 import gzip
 import json
 import math
+import multiprocessing
 import os
 import re
 import shlex
@@ -326,17 +327,21 @@ def run_export(sources: list[dict], tmp: Path, s: dict, workers: int = 1) -> dic
     r = {"outs": {k: open(tmp / f"{k}.jsonl", "wb") for k in (*SPLITS, "rejects")}, "rids": {}, "contents": set(),
          "counts": dict.fromkeys(("input", "exported", "rejected", "duplicates", *SPLITS), 0),
          "by_reason": dict.fromkeys(REASONS, 0), "derived": dict.fromkeys(("record_id", "weight", "source"), 0)}
-    workers, pending = max(workers, 1), deque()
+    workers, pending, r["workers"] = max(workers, 1), deque(), set()
     pool = ProcessPoolExecutor(workers, initializer=init_worker, initargs=(s, os.getpid()))
     try:
         for task in tasks(sources, Shaper(s).limit):
             pending.append((task, pool.submit(shape_chunk, *task)))
+            r["workers"].update(multiprocessing.active_children())  # the pool starts them as work arrives
             while len(pending) > 2 * workers:
                 take(r, *pending.popleft())
         while pending:
             take(r, *pending.popleft())
         pool.shutdown()  # all done: the workers leave before this process goes on
     except BrokenProcessPool:
+        for p in multiprocessing.active_children():
+            p.kill()
+        W["broken"] = True
         raise fail("an export worker process died (killed; the out-of-memory killer?): export again, with fewer "
                    "--workers if memory is short", "export-crashed") from None
     finally:
@@ -351,10 +356,21 @@ def run_export(sources: list[dict], tmp: Path, s: dict, workers: int = 1) -> dic
     return r
 
 
+def result_of(future, workers: set) -> list:
+    """The chunk's records. A worker killed while it sends its result leaves half a message in the pipe, and
+    ProcessPoolExecutor then waits for the rest for ever (CPython 3.11): so look at the workers every second."""
+    while True:
+        try:
+            return future.result(timeout=1)
+        except TimeoutError:
+            if any(p.exitcode is not None for p in workers):
+                raise BrokenProcessPool from None
+
+
 def take(r: dict, task: tuple, result) -> None:
     """Write one chunk's records (those not seen before) and rejects."""
     (fname, base, lines), outs, rids, contents, c = task, r["outs"], r["rids"], r["contents"], r["counts"]
-    for n, rec in enumerate(result.result(), base + 1):
+    for n, rec in enumerate(result_of(result, r["workers"]), base + 1):
         if len(rec) == 5 and rids.setdefault(rec[2], rec[3]) != rec[3]:
             rec = ("record_id_conflict", "this record_id was seen earlier with other messages; give one its own")
         if len(rec) == 2:
@@ -503,4 +519,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if W.get("broken"):  # the pool's own thread may still wait on a dead worker's half-sent result: do not join it
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
