@@ -78,6 +78,10 @@ def validate_inputs(args):
                            "'.', '_', '-')", "parity-dataset")
     local = Path(os.path.abspath(paths.ROOT / args.model))  # not resolved: models/x may link to a bigger disk
     args.model_local = local if args.model and local.is_dir() else None  # hosts: the same repo-relative path
+    if args.model_local and (gone := paths.missing_shards(local)):
+        raise RunbookError(f"MODEL {args.model} is incomplete here: model.safetensors.index.json names "
+                           f"{', '.join(gone)}, not in the folder; fetch it again (make model ... REPLACE=1)",
+                           "parity-model")
     remote = args.model_local and (os.path.join(args.root, local.relative_to(paths.ROOT).as_posix())
                                    if local.is_relative_to(paths.ROOT) else str(local))
     args.model_remote = remote and check_path(remote, "MODEL path on the hosts")

@@ -126,6 +126,10 @@ def main() -> int:
         if not (snapshot / "config.json").is_file() or not list(snapshot.glob("model*.safetensors")):
             raise RunbookError(f"{args.repo}@{commit[:12]} has no config.json and model*.safetensors: "
                                "not a model mlx-lm loads (safetensors only)", ANCHOR)
+        if gone := paths.missing_shards(snapshot):
+            raise RunbookError(f"{args.repo}@{commit[:12]} is incomplete in the cache: model.safetensors.index.json "
+                               f"names {', '.join(gone)}, never downloaded; fetch it online (HF_HUB_OFFLINE unset)",
+                               ANCHOR)
         config = json.loads((snapshot / "config.json").read_text(encoding="utf-8"))
         with atomic.atomic_dir(args.out) as tmp:
             build(snapshot, tmp, args, config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -46,3 +47,16 @@ def rel(path: os.PathLike | str) -> str:
         return str(p.relative_to(ROOT))
     except ValueError:
         return str(p)
+
+
+def missing_shards(model: Path) -> list[str]:
+    """The weight files a sharded model's model.safetensors.index.json names that are not in the folder
+    (an interrupted download or copy); [] for a complete or unsharded model."""
+    index = model / "model.safetensors.index.json"
+    if not index.is_file():
+        return []
+    try:
+        names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return ["model.safetensors.index.json (unreadable: no weight_map)"]
+    return sorted(n for n in names if not (model / n).is_file())

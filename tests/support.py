@@ -11,4 +11,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from fabric_cli import SPLITS, copy_code, write_manifest  # noqa: E402
 
-__all__ = ["SPLITS", "copy_code", "write_manifest"]
+__all__ = ["SPLITS", "copy_code", "shard_model", "write_manifest"]
+
+
+def shard_model(model: Path, n: int = 2) -> list[str]:
+    """Rewrite model.safetensors as n shards and model.safetensors.index.json, as the Hub publishes
+    models over 5 GB; returns the shard names."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(str(model / "model.safetensors"))
+    names, weight_map = sorted(weights), {}
+    files = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    for i, fname in enumerate(files):
+        part = names[i::n]
+        save_file({k: weights[k] for k in part}, str(model / fname), metadata={"format": "mlx"})
+        weight_map.update(dict.fromkeys(part, fname))
+    (model / "model.safetensors").unlink()
+    total = sum(v.nbytes for v in weights.values())
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return files

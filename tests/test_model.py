@@ -187,3 +187,31 @@ def test_make_n_model_is_the_command():
     assert "bin/model.py --repo org/name --out models/x --revision v2 --quantize 8 --replace" in p.stdout
     p = make("-n", "model", "MODEL=models/x", check=False)
     assert p.returncode != 0 and "HF_REPO is not set" in p.stderr
+
+
+def test_a_sharded_repo_comes_whole_and_an_incomplete_one_is_refused(hub, tmp_path):
+    """Gemma 4 E2B's bf16 weights are sharded on the Hub (model-0000N-of-0000M.safetensors with
+    model.safetensors.index.json): every shard arrives and loads; a shard the cache never got is named."""
+    import shutil
+
+    from support import shard_model
+
+    src = tmp_path / "src"
+    shutil.copytree(hub[1][C1], src, symlinks=False)
+    shards = shard_model(src, 3)
+    env = dict(hub[0], HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hf" / "hub"))
+    snap = hub_cache(tmp_path / "hf" / "hub", REPO, src, C1, ("main",))
+    out = tmp_path / "sharded"
+    run([PY, "bin/model.py", "--repo", REPO, "--out", str(out)], env=env)
+    assert {*shards, "model.safetensors.index.json"} <= {p.name for p in out.iterdir()}
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    ids = mx.array([[5, 17, 99, 3]])
+    sharded, whole = load(str(out))[0](ids), load(str(hub[1][C1]))[0](ids)
+    assert mx.array_equal(sharded, whole)  # every weight arrived where the index says
+    (snap / shards[2]).unlink()  # a download that stopped before the last shard
+    p = run([PY, "bin/model.py", "--repo", REPO, "--out", str(tmp_path / "partial")], env=env, check=False)
+    assert p.returncode == 1 and f"index.json names {shards[2]}, never downloaded" in p.stderr, p.stderr
+    assert not (tmp_path / "partial").exists()
+

@@ -281,3 +281,48 @@ def test_max_delete_bounds_what_leaves_a_hosts_dataset_folder(dataset, tmp_path)
     assert re.search(r"status verified actions (code\+)?dataset ", p.stdout), p.stdout  # code: others edit it
     assert sorted(f.name for f in ddir.iterdir()) == ["manifest.json", "rejects.jsonl", "test.jsonl", "train.jsonl",
                                                       "valid.jsonl"]
+
+
+def parity_rows(dst: Path, model: str, dataset: str, *extra: str) -> tuple[int, dict, str]:
+    p = subprocess.run([PY, "bin/check_parity.py", "--hostfile", "hostfile.local.json", "--python", PY,
+                        "--remote-root", str(dst), "--model", model, "--dataset", dataset, "--json", *extra,
+                        "--state-dir", str(dst.parent / "parity")], cwd=ROOT, capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=120)
+    rows = {c["name"]: c for c in json.loads(p.stdout)["checks"]} if p.stdout.strip() else {}
+    return p.returncode, rows, p.stderr
+
+
+def test_a_sharded_model_goes_whole_and_a_damaged_or_missing_shard_is_named(dataset, tmp_path):
+    """A model over 5 GB comes from the Hub as shards and model.safetensors.index.json: sync carries
+    every shard, check-parity names the damaged one, and an incomplete model goes nowhere."""
+    import shutil
+
+    from support import shard_model
+
+    name = f"models/synctest-sharded-{os.getpid()}"
+    shutil.copytree(ROOT / "models/tiny-gemma4", ROOT / name)
+    try:
+        shards = shard_model(ROOT / name)
+        dst = tmp_path / "remote"
+        p = sync("--model", name, "--sync-model", remote_root=dst, dataset=dataset)
+        assert p.returncode == 0 and "model" in p.stdout, p.stdout + p.stderr
+        assert {f.name for f in (dst / name).iterdir()} >= {*shards, "model.safetensors.index.json"}
+        code, rows, err = parity_rows(dst, name, dataset)
+        assert rows["model"]["status"] == "pass", (rows.get("model"), err)
+        target = dst / name / shards[1]  # one flipped byte in the second shard, size and mtime kept
+        st, data = target.stat(), bytearray(target.read_bytes())
+        data[-10] ^= 0x01
+        target.write_bytes(bytes(data))
+        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+        code, rows, err = parity_rows(dst, name, dataset, "--deep")  # same size and mtime: DEEP=1 hashes
+        assert code == 2 and rows["model"]["status"] == "fail" and shards[1] in rows["model"]["detail"], rows
+        (ROOT / name / shards[1]).unlink()  # an interrupted download on Mac1
+        for p in (sync("--model", name, "--sync-model", remote_root=dst, dataset=dataset),
+                  subprocess.run([PY, "bin/check_parity.py", "--hostfile", "hostfile.local.json", "--python", PY, "--remote-root",
+                                  str(dst), "--model", name, "--dataset", dataset], cwd=ROOT, capture_output=True,
+                                 text=True, stdin=subprocess.DEVNULL, timeout=60)):
+            assert p.returncode == 2 and f"incomplete here: model.safetensors.index.json names {shards[1]}" in p.stdout + p.stderr, \
+                p.stdout + p.stderr
+        assert sha256_file(target) != sha256_file(dst / name / shards[0])  # the host's copy was left alone
+    finally:
+        shutil.rmtree(ROOT / name, ignore_errors=True)
