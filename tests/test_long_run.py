@@ -44,8 +44,8 @@ def long_cfg(fabric):
     for st in (ROOT / ".stamps").glob("*.fab-long-*"):
         st.unlink()
     cfg = ROOT / "runs" / "fab-long.yaml"
-    cfg.write_text((ROOT / "configs/smoke.yaml").read_text().replace("iters: 6", "iters: 24")
-                   .replace("save_every: 3", "save_every: 4").replace("steps_per_eval: 3", "steps_per_eval: 12")
+    cfg.write_text((ROOT / "configs/smoke.yaml").read_text().replace("iters: 6", "iters: 16")
+                   .replace("save_every: 3", "save_every: 4").replace("steps_per_eval: 3", "steps_per_eval: 8")
                    + "grad_average: tokens\n")
     fmake(fabric, "smoke", *fab_vars(fabric, SMOKED), timeout=900)
     return cfg
@@ -112,13 +112,13 @@ def test_status_during_and_after_a_run(fabric, reference):
     for st, code, secs in during:
         assert set(st) == STATUS_KEYS and st["running"] and st["reachable"], st
         assert code == 0 and st["status"] == "OK" and secs < 1.0, (code, secs, st)
-        assert st["iters"] == 24 and 0 < st["step"] <= 24 and st["eta_s"] is not None
+        assert st["iters"] == 16 and 0 < st["step"] <= 16 and st["eta_s"] is not None
         assert set(st["ranks"]) == {"0", "1"} and all(v["since_s"] < 30 and v["tok_per_s"] for v in st["ranks"].values())
     st, code, secs = after
-    assert code == 0 and not st["running"] and st["verdict"]["ok"] and st["step"] == 24 and secs < 1.0, (secs, st)
-    assert st["latest_checkpoint"] == "step-0000024" and st["last_val"]["step"] == 24
+    assert code == 0 and not st["running"] and st["verdict"]["ok"] and st["step"] == 16 and secs < 1.0, (secs, st)
+    assert st["latest_checkpoint"] == "step-0000016" and st["last_val"]["step"] == 16
     # The operator's terminal has one `step` line per report, not the per-rank step lines.
-    assert re.search(r"^step 12/24 loss \S+ tok/s \d+ eta \d\d:\d\d:\d\d peak_mem_gb \S+$", p.stdout, re.M), p.stdout[-2000:]
+    assert re.search(r"^step 12/16 loss \S+ tok/s \d+ eta \d\d:\d\d:\d\d peak_mem_gb \S+$", p.stdout, re.M), p.stdout[-2000:]
     assert not re.search(r"iter \d+ rank \d", p.stdout)
     assert re.search(r"^\S+Z iter 12 rank 1 ", (ROOT / "runs/fab-long-ref/logs/launch-train.log").read_text(), re.M)
 
