@@ -117,8 +117,10 @@ class Reporter:
 
     def beat_while(self, phase: str, done: threading.Event) -> None:
         """Beat every 3 s until `done`: only around one long local call with no collective in it."""
+        t0 = time.monotonic()
         while not done.wait(3.0):
-            self.beat(phase, 0.0)
+            self.last_beat = time.monotonic()
+            self.line("progress", rank=self.rank, phase=phase, elapsed_s=round(self.last_beat - t0))
 
     def start_metrics(self, cfg: dict) -> None:
         self.metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
@@ -641,6 +643,19 @@ def compiled_step(r):
     return partial(mx.compile, inputs=r.state, outputs=r.state)(step)
 
 
+def warm_up(r, step) -> None:
+    """The compiled step's first call builds its kernels (over a minute on a fresh machine, cached after):
+    build them on one local batch, without the all-reduce so no collective hides behind the beats, and
+    with the random state put back, so the run computes exactly what it would have."""
+    mx, done, key = r.mx, threading.Event(), r.mx.random.state[0].tolist()
+    threading.Thread(target=r.rep.beat_while, args=("compile", done), daemon=True).start()
+    try:
+        mx.eval(step(make_batch(mx, r.np, r.train_set, r.plans[0][0], r.cfg["max_seq_length"]), None, False))
+    finally:
+        done.set()
+    mx.random.seed((int(key[0]) << 32) | int(key[1]))  # as a resume restores it
+
+
 def run_eval(r, dataset, num_batches: int, phase: str) -> float:
     """mlx-lm's evaluate, with a progress line per batch (at most one a second) for the watchdog."""
     from mlx_lm.tuner.trainer import evaluate, iterate_batches
@@ -734,6 +749,8 @@ def train(r) -> int:
     if r.start == 0:
         validate(r, 0)
     r.model.train()
+    if r.start < iters:
+        warm_up(r, step)
     for it in range(r.start + 1, iters + 1):
         tic = time.perf_counter()
         loss, tokens, rank_loss, norm = train_step(r, step, it)
