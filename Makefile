@@ -84,6 +84,7 @@ setup: $(VENV)/.stamp
 $(VENV)/.stamp: $(LOCK) bin/find_python.sh
 	rm -rf $(VENV)
 	"$$(bash bin/find_python.sh $(BOOTSTRAP_PYTHON))" -m venv $(VENV)
+	@echo "setup: installing $(LOCK) into $(VENV) (hash-checked; a minute or two the first time)"
 	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r $(LOCK)
 	$(PY) -m pip check
 	touch $@

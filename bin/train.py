@@ -648,6 +648,7 @@ def warm_up(r, step) -> None:
     build them on one local batch, without the all-reduce so no collective hides behind the beats, and
     with the random state put back, so the run computes exactly what it would have."""
     mx, done, key = r.mx, threading.Event(), r.mx.random.state[0].tolist()
+    r.rep.beat("compile", 0.0)
     threading.Thread(target=r.rep.beat_while, args=("compile", done), daemon=True).start()
     try:
         mx.eval(step(make_batch(mx, r.np, r.train_set, r.plans[0][0], r.cfg["max_seq_length"]), None, False))

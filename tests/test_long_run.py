@@ -57,7 +57,7 @@ def train(fabric, cfg, run, **extra):
     shutil.copy(ROOT / ".stamps" / f"smoke.{SMOKED}", ROOT / ".stamps" / f"smoke.{run}")
     out = {}
     t = threading.Thread(target=lambda: out.__setitem__("p", fmake(
-        fabric, "train", *fab_vars(fabric, run, CONFIG=str(cfg), WATCHDOG="20", **extra), check=False)))
+        fabric, "train", *fab_vars(fabric, run, CONFIG=str(cfg), **{"WATCHDOG": "20", **extra}), check=False)))
     t.start()
     return t, out
 
@@ -141,7 +141,7 @@ def test_rank_killed_mid_run_resumes_to_the_same_adapter(fabric_faults, long_cfg
 
 def test_link_cut_for_good_falls_back_to_the_remaining_host(fabric_faults, long_cfg, reference):
     fabric, run = fabric_faults, "fab-long-cut"
-    t, out = train(fabric, long_cfg, run, RESTARTS="1", FALLBACK="1")
+    t, out = train(fabric, long_cfg, run, RESTARTS="1", FALLBACK="1", WATCHDOG="10")  # the cut is found by it
     wait_step(run, 10)
     fabric.cut_link("fab2")
     p, summary = finish(t, out, run)
