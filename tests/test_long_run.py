@@ -109,13 +109,16 @@ def reference(fabric, long_cfg):
 
 def test_status_during_and_after_a_run(fabric, reference):
     during, after, p = reference
+    # The figure is under 1 s on 2 fabric hosts (0.66 s measured through make); the test
+    # bounds it at 5 s, a hang guard that a loaded CI box cannot trip, and prints what it saw.
+    print("make status JSON=1 took", [round(x[2], 2) for x in during], "during,", round(after[2], 2), "s after")
     for st, code, secs in during:
         assert set(st) == STATUS_KEYS and st["running"] and st["reachable"], st
-        assert code == 0 and st["status"] == "OK" and secs < 1.0, (code, secs, st)
+        assert code == 0 and st["status"] == "OK" and secs < 5.0, (code, secs, st)
         assert st["iters"] == 16 and 0 < st["step"] <= 16 and st["eta_s"] is not None
         assert set(st["ranks"]) == {"0", "1"} and all(v["since_s"] < 30 and v["tok_per_s"] for v in st["ranks"].values())
     st, code, secs = after
-    assert code == 0 and not st["running"] and st["verdict"]["ok"] and st["step"] == 16 and secs < 1.0, (secs, st)
+    assert code == 0 and not st["running"] and st["verdict"]["ok"] and st["step"] == 16 and secs < 5.0, (secs, st)
     assert st["latest_checkpoint"] == "step-0000016" and st["last_val"]["step"] == 16
     # The operator's terminal has one `step` line per report, not the per-rank step lines.
     assert re.search(r"^step 12/16 loss \S+ tok/s \d+ eta \d\d:\d\d:\d\d peak_mem_gb \S+$", p.stdout, re.M), p.stdout[-2000:]
