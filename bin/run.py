@@ -37,6 +37,7 @@ from lib import atomic, launch, paths  # noqa: E402
 from lib.hostfile import check_hostname  # noqa: E402
 from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import HANG, RunbookError, die, event  # noqa: E402
+from lib.remote import run_on  # noqa: E402
 
 BACKOFF_S = 2.0  # the first restart waits this long, each next one twice as long (at most 60 s)
 WORLD_FLAG = "--allow-world-change"  # bin/train.py: resume a checkpoint of another world size, same global batch
@@ -75,10 +76,14 @@ def recover(args, hf, run_rel: str, n: int):
     time.sleep(min(BACKOFF_S * 2 ** (n - 1), 60.0))
     gate = [sys.executable, "bin/check_parity.py", "--gate", "runtime", "--python", args.python,
             "--remote-root", args.remote_root, "--json", "--hostfile"]
-    p = subprocess.run([*gate, args.hostfile], cwd=paths.ROOT, capture_output=True, text=True, timeout=300)
-    rec = {"attempt": n, "swept": swept, "parity_exit": p.returncode}
     lost = [h for h, v in swept.items() if v.startswith("unreachable")]
-    if p.returncode in (0, 1) or not (args.fallback and n == args.restarts and lost and len(lost) < len(hf.unique_ssh())):
+    dropping = args.fallback and n == args.restarts and lost and len(lost) < len(hf.unique_ssh())
+    if dropping:  # hosts still silent after the backoff go without the full gate's wait on them
+        lost = [h for h in lost if not run_on(h, ["true"], timeout=10).ok]
+    rec = {"attempt": n, "swept": swept}
+    if not (dropping and lost):
+        p = subprocess.run([*gate, args.hostfile], cwd=paths.ROOT, capture_output=True, text=True, timeout=300)
+        rec["parity_exit"] = p.returncode
         return hf, rec, p.returncode in (0, 1)
     left = [h for h in hf.hosts if h.ssh not in lost]
     path = paths.run_dir(args.run) / "hostfile-fallback.json"

@@ -420,16 +420,7 @@ def test_lora_trains_and_the_adapter_loads_in_fuse_and_generate(forms, chat_data
     adapters = run_dir / "adapters"
     assert (adapters / "adapters.safetensors").is_file()
     # Exact resume on this layout: stopped after step 2, resumed to step 3, the same adapter bit for bit.
-    resumed = tmp_path / "resumed"
-    again = [PY, "bin/train.py", "--config", str(cfg), "--model", str(forms[form]), "--data", str(chat_data),
-             "--run-dir", str(resumed)]
-    run([*again, "--stop-at-step", "2"], env=env, timeout=300)
-    p = run([*again, "--resume"], env=env, timeout=300)
-    assert re.search(r"^resume rank 0 checkpoint \S+step-0000002 step 2", p.stdout, re.M), p.stdout[-2000:]
-    from safetensors.numpy import load_file
-
-    want, got = (load_file(str(d / "adapters" / "adapters.safetensors")) for d in (run_dir, resumed))
-    assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want)
+    assert_resumes_exactly(cfg, forms[form], chat_data, run_dir, tmp_path / "resumed", env)
 
     import mlx.nn as nn
     from mlx_lm.tuner.lora import LoRALinear
@@ -451,3 +442,15 @@ def test_lora_trains_and_the_adapter_loads_in_fuse_and_generate(forms, chat_data
     _, fused_logits = logits(fused)
     assert bool(mx.all(mx.isfinite(fused_logits)).item())
     assert json.loads((fused / "config.json").read_text())["model_type"] == "gemma4"
+
+
+def assert_resumes_exactly(cfg, model, data, run_dir, resumed, env) -> None:
+    again = [PY, "bin/train.py", "--config", str(cfg), "--model", str(model), "--data", str(data),
+             "--run-dir", str(resumed)]
+    run([*again, "--stop-at-step", "2"], env=env, timeout=300)
+    p = run([*again, "--resume"], env=env, timeout=300)
+    assert re.search(r"^resume rank 0 checkpoint \S+step-0000002 step 2", p.stdout, re.M), p.stdout[-2000:]
+    from safetensors.numpy import load_file
+
+    want, got = (load_file(str(d / "adapters" / "adapters.safetensors")) for d in (run_dir, resumed))
+    assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want)
