@@ -199,7 +199,7 @@ def test_baseline_run_writes_the_contract(baseline, data):
         # spends a minute in `compile`, with a line every 3 s).
         said = re.findall(rf"Z (?:progress rank {r} phase (\S+)|(iter) 1 rank {r} )", log)
         phases = [x for i, x in enumerate(a or b for a, b in said) if i == 0 or x != (said[i - 1][0] or said[i - 1][1])]
-        assert phases[:phases.index("iter")] == ["start", "load-model", "tokenize", "val", "compile"], phases
+        assert phases[:phases.index("iter")] == ["start", "load-model", "tokenize", "val", "compile", "train"], phases
     kinds = [json.loads(line)["kind"] for line in (baseline / "metrics.jsonl").read_text().splitlines()]
     assert kinds.count("step") == 12 and kinds.count("train") == 4 and kinds.count("test") == 1
     assert "warning" not in kinds  # the validation loss fell: no no-improvement warning
