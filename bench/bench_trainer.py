@@ -162,13 +162,17 @@ def main() -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-trainer-", dir=ROOT / "runs"))
     ours, theirs = [], []
+    # Both with mlx-lm's maths (the mean of the ranks' mean losses): a config's `grad_average: tokens`
+    # weighs the ranks by their tokens, which mlx-lm does not, and the reported losses would differ.
+    config = work / "config.yaml"
+    config.write_text(re.sub(r"(?m)^grad_average:.*$", "", (ROOT / args.config).read_text()) + "\ngrad_average: mlx_lm\n")
     try:
         for i in range(args.runs):
             for tool in (("trainer", "mlx_lm") if i % 2 == 0 else ("mlx_lm", "trainer")):
                 if tool == "trainer":
-                    ours.append(run_trainer(args, args.config, work / f"trainer-{i}"))
+                    ours.append(run_trainer(args, str(config), work / f"trainer-{i}"))
                 else:
-                    theirs.append(run_mlx_lm(args, args.config, work / f"mlx-lm-{i}"))
+                    theirs.append(run_mlx_lm(args, str(config), work / f"mlx-lm-{i}"))
             print(f"pair {i + 1}/{args.runs}: trainer {ours[-1]['wall_s']:.1f} s wall {ours[-1]['cpu_s']:.1f} s cpu, "
                   f"mlx_lm lora {theirs[-1]['wall_s']:.1f} s wall {theirs[-1]['cpu_s']:.1f} s cpu", flush=True)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
