@@ -519,7 +519,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except SystemExit as e:  # SIGTERM's handler unwinds (the temp folder goes); a worker may have died mid-send too
+        code, W["broken"] = e.code if isinstance(e.code, int) else 1, True
     if W.get("broken"):  # the pool's own thread may still wait on a dead worker's half-sent result: do not join it
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(code)

@@ -381,7 +381,8 @@ def load_model(cfg: dict, rep: Reporter):
         raise failure(DATA, f"model folder {m} not found on {socket.gethostname()} (cwd {os.getcwd()}); run "
                             "`make tiny-model` or `make sync SYNC_MODEL=1`")
     done = threading.Event()
-    threading.Thread(target=rep.beat_while, args=("load-model", done), daemon=True).start()
+    beats = threading.Thread(target=rep.beat_while, args=("load-model", done), daemon=True)
+    beats.start()
     try:
         from mlx_lm.utils import load
 
@@ -391,6 +392,7 @@ def load_model(cfg: dict, rep: Reporter):
         raise failure(DATA, f"model {m} does not load on {socket.gethostname()}: {type(e).__name__}: {e}") from e
     finally:
         done.set()
+        beats.join()  # its last line before anything this rank says next
 
 
 def prepare_model(mx, model, cfg: dict):
@@ -649,11 +651,13 @@ def warm_up(r, step) -> None:
     with the random state put back, so the run computes exactly what it would have."""
     mx, done, key = r.mx, threading.Event(), r.mx.random.state[0].tolist()
     r.rep.beat("compile", 0.0)
-    threading.Thread(target=r.rep.beat_while, args=("compile", done), daemon=True).start()
+    beats = threading.Thread(target=r.rep.beat_while, args=("compile", done), daemon=True)
+    beats.start()
     try:
         mx.eval(step(make_batch(mx, r.np, r.train_set, r.plans[0][0], r.cfg["max_seq_length"]), None, False))
     finally:
         done.set()
+        beats.join()
     mx.random.seed((int(key[0]) << 32) | int(key[1]))  # as a resume restores it
 
 

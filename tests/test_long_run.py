@@ -134,6 +134,7 @@ def test_rank_killed_mid_run_resumes_to_the_same_adapter(fabric_faults, long_cfg
     p, summary = finish(t, out, run)
     assert p.returncode == 0 and summary["ok"], (p.stderr[-3000:], summary)
     assert len(summary["attempts"]) == 1 and summary["attempts"][0]["parity_exit"] in (0, 1), summary["attempts"]
+    assert summary["attempts"][0]["last_step_seen"] < 12, "the kill came after the last step: nothing was resumed"
     assert re.search(rf"^restart run {run} attempt 1 of 1 ", p.stdout, re.M), p.stdout[-3000:]
     ref, got = adapter("fab-long-ref"), adapter(run)
     assert ref.keys() == got.keys()

@@ -250,6 +250,34 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def test_sigkill_mid_run_then_resume_is_exact(baseline, model, data, cfg_path, tmp_path):
+    run_dir = tmp_path / "killed"
+    args = train_args(cfg_path, model, data, run_dir)
+    proc = subprocess.Popen(launch_argv(*args), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() >= ckpt.name_of(4):
+            break
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    pids = [json.loads(f.read_text())["pid"] for f in run_dir.glob("logs/rank-*.joined.json")]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids), "a rank outlived the SIGKILL of its launch"
+    kinds = [json.loads(line)["kind"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert "done" not in kinds, "the run finished before the kill; the test did not test"
+    killed_at = max(events(run_dir, "step"))
+    resume_from = ckpt.find_resume(run_dir / "checkpoints")[0].name
+    launch(*args, "--resume")
+    print(f"killed after step {killed_at}; resumed from {resume_from}")
+    assert_same_run(baseline, run_dir)
+
+
 # ---- same maths as mlx-lm -------------------------------------------------------------------------
 MLX_LM_ROW = re.compile(r"^\s*(\d+)\s+([0-9.]+) [▼▲]\s+([0-9,]+)\s+([0-9.]+)k\s*$")
 
