@@ -35,8 +35,8 @@ def _umask() -> int:
     return mask
 
 
-def fsync_dir(path: os.PathLike | str) -> None:
-    """Make a rename or a new entry in `path` durable."""
+def fsync_path(path: os.PathLike | str) -> None:
+    """fsync a file, or a folder (which makes a rename or a new entry in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         fsync_fd(fd)
@@ -60,7 +60,7 @@ def atomic_open(path: os.PathLike | str, mode: str = "w", **kw: Any) -> Iterator
             f.flush()
             fsync_fd(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -104,17 +104,13 @@ def atomic_dir(path: os.PathLike | str) -> Iterator[Path]:
         yield tmp
         for child in tmp.rglob("*"):
             if child.is_file():
-                fd = os.open(child, os.O_RDONLY)
-                try:
-                    fsync_fd(fd)
-                finally:
-                    os.close(fd)
+                fsync_path(child)
         old = None
         if path.exists():
             old = path.parent / f".{path.name}.old.{os.getpid()}"
             os.replace(path, old)
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lib.atomic import dumps_json, fsync_dir, fsync_fd, write_text
+from lib.atomic import dumps_json, fsync_path, write_text
 from lib.hashing import sha256_file
 
 FORMAT_VERSION = 1
@@ -57,14 +57,13 @@ def save(root: os.PathLike | str, step: int, writers: dict[str, Callable[[Path],
         (tmp / STATE).write_text(dumps_json(dict(state, step=step, format_version=FORMAT_VERSION)), encoding="utf-8")
         names = sorted(p.name for p in tmp.iterdir())
         for n in names:
-            with open(tmp / n, "rb") as f:
-                fsync_fd(f.fileno())
+            fsync_path(tmp / n)
         files = {n: {"sha256": sha256_file(tmp / n), "bytes": (tmp / n).stat().st_size} for n in names}
         write_text(tmp / MANIFEST, dumps_json({"files": files, "step": step, "format_version": FORMAT_VERSION}))
         if final.exists():  # a damaged or superseded folder of the same step
             _remove(root, final, "deleting")
         os.replace(tmp, final)
-        fsync_dir(root)
+        fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -137,7 +136,7 @@ def quarantine(root: os.PathLike | str, name: str) -> Path:
     """Move a checkpoint that failed verification out of the way (kept for forensics)."""
     dest = Path(root) / f"quarantine-{name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     os.replace(Path(root) / name, dest)
-    fsync_dir(root)
+    fsync_path(root)
     return dest
 
 
@@ -176,7 +175,7 @@ def prune(root: os.PathLike | str, keep_last_k: int) -> list[str]:
     for name in deleted:
         _remove(root, root / name, "deleting")
     if deleted:
-        fsync_dir(root)
+        fsync_path(root)
     return deleted
 
 

@@ -98,8 +98,8 @@ def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, ext
     man = {"run": variables["RUN"], "git": git_info(), "lock_sha256": sha256_file(paths.ROOT / "requirements.lock"),
            "hostfile": hf.to_json(), "hostfile_path": variables["HOSTFILE"], "dataset": variables["DATASET"],
            "dataset_sha256": dataset_sha256(variables["DATASET"]),
-           "corpus": dman.get("sources") or dman.get("corpus"), "corpus_sha256": dman.get("corpus_sha256"),
-           "export_settings": dman.get("export_settings") or dman.get("settings"),
+           "corpus": dman.get("sources"), "corpus_sha256": dman.get("corpus_sha256"),
+           "export_settings": dman.get("settings"),
            "model": variables["MODEL"], "model_sha256": model_hash(variables["MODEL"]), "variables": variables,
            "stages": stages, **extra}
     atomic.write_json(run_dir / "manifest.json", man)
@@ -117,27 +117,20 @@ def export_section(dataset: str) -> list[str]:
     """reproduce.sh's first section: the `make export` that made datasets/<dataset>, from its
     manifest (corpus files with their sha256, export settings as flags)."""
     man = read_json(paths.DATASETS / dataset / "manifest.json")
-    corpus = man.get("corpus")
-    patterns, files = (corpus.get("patterns"), corpus.get("files")) if isinstance(corpus, dict) else (corpus, None)
-    files = files or man.get("sources") or []
-    files = [{"path": k, "sha256": v.get("sha256") if isinstance(v, dict) else v} for k, v in files.items()] \
-        if isinstance(files, dict) else [f for f in files if isinstance(f, dict) and isinstance(f.get("path"), str)]
-    patterns = [p for p in patterns or [] if isinstance(p, str)] or [f["path"] for f in files]
+    files = [f for f in man.get("sources") or [] if isinstance(f, dict) and isinstance(f.get("path"), str)]
     head = ["# --- stage: export ---", f"# The dataset {dataset} this run used (datasets/{dataset}/manifest.json):"]
-    if not patterns:
+    if not files:
         return head + ["# corpus not recorded in its manifest: re-export it with", f"# make export CORPUS=... DATASET={dataset}"]
-    digest = (corpus.get("sha256") if isinstance(corpus, dict) else None) or man.get("corpus_sha256")
     head += [f"# corpus file {f['path']} sha256 {f.get('sha256', 'not recorded')}" for f in files]
-    head += [f"# corpus_sha256 {digest or 'not recorded'}; dataset_sha256 {man.get('dataset_sha256', 'not recorded')}"]
-    if cmd := (corpus.get("command") if isinstance(corpus, dict) else None) or man.get("export_command"):
-        return head + [cmd if isinstance(cmd, str) else shlex.join(cmd)]  # as the exporter recorded it
-    s = (corpus.get("settings") if isinstance(corpus, dict) else None) or man.get("export_settings") or man.get("settings") or {}
-    flags = [f"--ratios={','.join(str(s['ratios'][k]) for k in ('train', 'valid', 'test'))}"] if isinstance(s.get("ratios"), dict) else []
+    head += [f"# corpus_sha256 {man.get('corpus_sha256', 'not recorded')}; "
+             f"dataset_sha256 {man.get('dataset_sha256', 'not recorded')}"]
+    s = man.get("settings") or {}
+    flags = [f"--ratios={','.join(str(s['ratios'][k]) for k in ('train', 'valid', 'test'))}"] if "ratios" in s else []
     flags += [f"--field={k}={v}" for k, v in (s.get("fields") or {}).items()]
     flags += [f"--role={k}={v}" for k, v in (s.get("roles") or {}).items()]
     flags += [f"--{k.replace('_', '-')}={s[k]}" for k in ("max_reject_ratio", "max_chars", "text_system_prompt",
                                                           "text_user_prompt") if k in s]
-    return head + [shlex.join(["make", "export", "CORPUS=" + " ".join(patterns), f"DATASET={dataset}",
+    return head + [shlex.join(["make", "export", "CORPUS=" + " ".join(f["path"] for f in files), f"DATASET={dataset}",
                                "EXPORT_ARGS=" + shlex.join(flags)])]
 
 

@@ -1,6 +1,8 @@
 """The long run as the operator lives it (issue #16), on the 2-host fabric through make:
 `make status` during and after a run, automatic resume after rank 1 is SIGKILLed
 (RESTARTS=1), and carrying on without a host whose link is cut for good (FALLBACK=1).
+The model is the tiny model in Gemma 4's released layout, in float (issue #18: the `gemma4`
+wrapper with its vision and audio towers; the real-run test covers its 4-bit form).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from safetensors.numpy import load_file
 
 pytestmark = [pytest.mark.fabric, pytest.mark.slow]
 
-DATASET, MODEL, SMOKED = "domain_sft_v1_high_signal_thunder", "models/tiny-gemma4", "fab-long-smoke"
+DATASET, MODEL, SMOKED = "domain_sft_v1_high_signal_thunder", "models/tiny-gemma4-released", "fab-long-smoke"
 HOSTS = ["fab1", "fab2"]
 STATUS_KEYS = {"run", "stage", "running", "reachable", "step", "iters", "eta_s", "train_loss", "loss_trend",
                "last_val", "ranks", "latest_checkpoint", "failures", "verdict", "status", "why"}
@@ -43,6 +45,7 @@ def long_cfg(fabric):
         shutil.rmtree(d, ignore_errors=True)
     for st in (ROOT / ".stamps").glob("*.fab-long-*"):
         st.unlink()
+    make("tiny-model", "ARCH=gemma4", "LAYOUT=released")
     cfg = ROOT / "runs" / "fab-long.yaml"
     cfg.write_text((ROOT / "configs/smoke.yaml").read_text().replace("iters: 6", "iters: 12")
                    .replace("save_every: 3", "save_every: 4").replace("steps_per_eval: 3", "steps_per_eval: 8")
