@@ -9,9 +9,10 @@ Example (what `make calibrate` runs after sync and check-parity):
         --config configs/stage1.yaml --remote-root "$PWD" --python "$PWD/.venv/bin/python"
 
 compute: one host at a time over ssh, bin/train.py's compiled step (the config's `loss`, so the memory
-and the recommended batch are that loss's) at batch 1, 2, 4, ... and the config's sizes, until memory (--mem-fraction of the ceiling) or --budget-s says stop. link: every rank under
-mlx.launch: that step at the per-rank batch, the gradient all-reduce, all_sum --min-bytes..--max-bytes
-(busbw). expected_speedup = control step / dual step (see speedup_model).
+and the recommended batch are that loss's) at batch 1, 2, 4, ... and the config's sizes, until memory
+(--mem-fraction of the ceiling) or --budget-s says stop. link: every rank under mlx.launch: that step
+at the per-rank batch, the gradient all-reduce, all_sum --min-bytes..--max-bytes (busbw).
+expected_speedup = control step / dual step (see speedup_model).
 Writes runs/calibration-<UTC>.json. Exit 0 written, 1 a phase failed (nothing written), 2 bad input.
 """
 
