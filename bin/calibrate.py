@@ -8,10 +8,11 @@ Example (what `make calibrate` runs after sync and check-parity):
     python bin/calibrate.py --hostfile hostfile.json --model models/tiny-gemma4 \
         --config configs/stage1.yaml --remote-root "$PWD" --python "$PWD/.venv/bin/python"
 
-compute: one host at a time over ssh, bin/train.py's compiled step at batch 1, 2, 4, ... and the config's
-sizes, until memory (--mem-fraction of the ceiling) or --budget-s says stop. link: every rank under
-mlx.launch: that step at the per-rank batch, the gradient all-reduce, all_sum --min-bytes..--max-bytes
-(busbw) and one bare TCP baseline. expected_speedup = control step / dual step (see speedup_model).
+compute: one host at a time over ssh, bin/train.py's compiled step (the config's `loss`, so the memory
+and the recommended batch are that loss's) at batch 1, 2, 4, ... and the config's sizes, until memory
+(--mem-fraction of the ceiling) or --budget-s says stop. link: every rank under mlx.launch: that step
+at the per-rank batch, the gradient all-reduce, all_sum --min-bytes..--max-bytes (busbw).
+expected_speedup = control step / dual step (see speedup_model).
 Writes runs/calibration-<UTC>.json. Exit 0 written, 1 a phase failed (nothing written), 2 bad input.
 """
 
@@ -198,38 +199,6 @@ def time_allsum(mx, nbytes: int, size: int) -> dict:
             "best_busbw_gbps": bus / min_s}
 
 
-def send_n(conn: socket.socket, n: int, chunk: bytes) -> None:
-    for k in range(0, n, len(chunk)):
-        conn.sendall(chunk[:min(len(chunk), n - k)])
-
-
-def tcp_both_ways(mx, rank: int, ip: str, nbytes: int, reps: int = 3) -> list[float]:
-    """Rank 0 and rank 1 send each other nbytes at once over one TCP connection: seconds per rep."""
-    srv = socket.create_server((ip, 0), family=socket.AF_INET6 if ":" in ip else socket.AF_INET) if rank == 1 else None
-    if srv:
-        srv.settimeout(120)
-    port = int(mx.distributed.all_sum(mx.array([srv.getsockname()[1] if srv else 0]), stream=mx.cpu).item())
-    if rank > 1:
-        return []
-    conn = srv.accept()[0] if srv else socket.create_connection((ip, port), timeout=120)
-    chunk, view, secs = bytes(4 * MiB), memoryview(bytearray(4 * MiB)), []
-    with conn:
-        for _ in range(reps):
-            conn.sendall(b"g")
-            conn.recv(1)  # both ends ready
-            t0, got = time.perf_counter(), 0
-            sender = threading.Thread(target=send_n, args=(conn, nbytes, chunk))
-            sender.start()
-            while got < nbytes:
-                k = conn.recv_into(view[:min(len(view), nbytes - got)])
-                if not k:
-                    raise ConnectionError(f"the peer closed after {got} of {nbytes} bytes")
-                got += k
-            sender.join()
-            secs.append(time.perf_counter() - t0)
-    return secs
-
-
 def rank_probe(spec: dict) -> int:
     import mlx.core as mx
     from mlx.nn import average_gradients
@@ -261,8 +230,6 @@ def rank_probe(spec: dict) -> int:
             event("calibrate-allsum", bytes=r["bytes"], reps=r["reps"], mean_ms=round(1e3 * r["mean_s"], 4),
                   best_ms=round(1e3 * r["min_s"], 4))
         n *= 2
-    if spec["tcp_ip"]:
-        out["tcp_s"] = tcp_both_ways(mx, rank, spec["tcp_ip"], spec["max_bytes"])
     if rank == 0:
         print(RESULT + json.dumps(out), flush=True)
     return 0
@@ -343,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("--budget-s", float, 120.0, "compute sweep seconds per host"), ("--steps", int, 3, "timed steps per size"),
             ("--max-batch", int, 64, "largest power-of-two batch tried"), ("--min-bytes", int, 4096, "smallest all_sum"),
             ("--mem-fraction", float, 0.8, "share of the memory ceiling a batch may peak at"),
-            ("--max-bytes", int, 256 * MiB, "largest all_sum and the TCP baseline's bytes"),
+            ("--max-bytes", int, 256 * MiB, "largest all_sum"),
             ("--timeout-s", float, 900.0, "bound on each phase beyond its budget"),
             ("--port", int, None, "first ring port (mlx.launch --starting-port)")):
         p.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
@@ -402,7 +369,7 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
     from lib.launch import launch_argv
 
     spec = {"probe_id": probe_id, "cfg": cfg, "steps": args.steps, "min_bytes": args.min_bytes, "max_bytes": args.max_bytes,
-            "per_rank_batch": per_rank_batch, "tcp_ip": (hf.hosts[1].ips or [None])[0]}
+            "per_rank_batch": per_rank_batch}
     port = args.port
     if port is None and all(h.ssh == "127.0.0.1" for h in hf.hosts):  # ranks here: ports nobody else uses
         with socket.socket() as s:
@@ -420,10 +387,6 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
     link = {"backend": hf.backend or "ring", "world_size": hf.size, "allreduce": rows, **res,
             "latency_us": {"bytes": rows[0]["bytes"], "mean": 1e6 * rows[0]["mean_s"], "best": 1e6 * rows[0]["min_s"]},
             "bandwidth_gbps": {"bytes": top["bytes"], "busbw_mean": top["busbw_gbps"], "busbw_best": top["best_busbw_gbps"]}}
-    if res.get("tcp_s"):
-        gbps = args.max_bytes / min(res["tcp_s"]) / 1e9
-        link["tcp"] = {"from": hf.hosts[0].ssh, "to": hf.hosts[1].ssh, "ip": spec["tcp_ip"], "bytes": args.max_bytes,
-                       "both_directions_gbps": gbps, "allsum_over_tcp": top["best_busbw_gbps"] / gbps}
     if "concurrent" in res:  # per host, its slowest rank
         c, link["concurrent"] = res["concurrent"], {}
         for h, t in zip(hf.hosts, c["step_s"], strict=True):
@@ -504,7 +467,7 @@ def orchestrate(args) -> int:
            "model": args.model, "model_sha256": launch.model_hash(args.model),
            "config": {"path": args.config, "sha256": sha256_file(args.config), **{k: cfg[k] for k in (
                "batch_size", "grad_accumulation_steps", "max_seq_length", "num_layers", "fine_tune_type",
-               "lora_parameters", "grad_checkpoint", "optimizer")}},
+               "lora_parameters", "grad_checkpoint", "optimizer", "loss", "loss_chunk_tokens")}},
            "loadavg": {"start": load_start, "end": os.getloadavg()}, **measured, "wall_s": round(time.time() - t0, 3)}
     path = Path(args.out_dir) / f"calibration-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     while path.exists():  # names sort by time; never overwrite one

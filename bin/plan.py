@@ -3,15 +3,15 @@
 
 Usage:
     python bin/plan.py --hostfile HOSTFILE --config CONFIG --model MODEL --dataset NAME \
-        --remote-root DIR --python PY [--run RUN] [--calibration FILE] [--parity FILE] [--json] [--strict]
+        --remote-root DIR --python PY [--run RUN] [--strict]
 Example (what `make plan` runs):
     python bin/plan.py --hostfile hostfile.json --config configs/stage1.yaml --model models/tiny-gemma4 \
         --dataset domain_sft_v1_high_signal_thunder --remote-root "$PWD" --python "$PWD/.venv/bin/python"
 
 Sections from the hostfile, config, dataset manifest, runs/parity/last.json, the newest matching
 calibration and the run's sync/smoke/metrics; what cannot be known is {"value": null, "unknown": "<why>"}.
-Checked against SCHEMA, written to runs/plan-<UTC>.json and runs/plan.json. Exit 0 written (1 with
---strict unless every check passes), 2 bad input, 3 the plan breaks its own schema (a bug).
+Written to runs/plan-<UTC>.json and runs/plan.json (tests/test_plan.py holds it to the format's schema).
+Exit 0 written (1 with --strict unless every check passes), 2 bad input.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, jsonl, launch, paths  # noqa: E402
 from lib import config as C  # noqa: E402
-from lib.hashing import digest_of, sha256_file, tree_hashes  # noqa: E402
+from lib.hashing import sha256_file  # noqa: E402
 from lib.hostfile import check_path  # noqa: E402
 from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import CATEGORIES, THUNDER, RunbookError, die, event  # noqa: E402
@@ -47,83 +47,6 @@ LAYERS = ("hardware_layer", "worker_layer", "checkpoint_layer", "gradient_layer"
 
 def unknown(reason: str) -> dict:
     return {"value": None, "unknown": reason}
-
-
-def M(spec):
-    """A measured value, or the explicit unknown object."""
-    return ("?", spec)
-
-
-# ---- the schema: {key: spec} is an object with exactly those keys, [spec, n] an array of at least n,
-# "=a|b" one of those strings, "kind>=n" a bounded number, M(spec) spec or an unknown ------------------
-STATUS = "=pass|fail|unknown"
-SCHEMA = {
-    "version": "=" + VERSION, "generated": {"created": "str", "tool": "str", "git": "map", "command": "str"},
-    "sources": {"hostfile": "map", "config": "map", "model_sha256": "str", "parity": M("map"), "calibration": M("map")},
-    "unknowns": [{"field": "str", "reason": "str"}, 0],
-    "strategy": {"approach": "str", "parallelism": "=data", "nodes": "int>=1", "total_gpus": "int>=1",
-                 "gpus_per_node": "int>=1", "device": M("str"), "trainable_params": M("int>=1")},
-    "batch_configuration": {
-        "per_gpu_batch_size": M("int>=1"), "total_batch_size": "int>=1", "gradient_accumulation_steps": "int>=1",
-        "learning_rate": "num>=0", "warmup_epochs": M("num>=0"), "epochs": M("num>=0"), "fits_memory": M("bool"),
-        "recommended": M({"per_gpu_batch_size": "int>=1", "gradient_accumulation_steps": "int>=1",
-                          "config_batch_size": "int>=1", "largest_fitting_batch": "int>=1",
-                          "largest_fitting_batch_kind": "=measured|lower_bound", "why": "str"})},
-    "distributed_config": {"mlx_launch_command": "str", "gradient_sync": "str",
-                           "backend": "=ring|jaccl|jaccl-ring|mpi|nccl", "unified_memory": M("bool"),
-                           "mlx_env_vars": "map"},
-    "rdma_config": {"enabled": "bool", "backend": "str", "platform": "str", "verified": M("bool"), "setup": M("str"),
-                    "env_vars": "map", "expected_speedup": M("num>=0")},
-    "checkpoint_strategy": {"approach": "str", "async": "bool", "compression": "str", "storage": "str",
-                            "frequency": "str", "retention": "str", "resume_command": "str",
-                            "expected_recovery_time": M({"seconds": "num>=0", "source": "str"})},
-    "performance_targets": {"throughput": M({"tok_per_s": "num>=0", "source": "str"}), "expected_speedup": M("num>=0"),
-                            "min_speedup": "num>=0", "gpu_utilization": M("num>=0"), "peak_memory_gb": M("num>=0"),
-                            "checkpoint_overhead": {"target_pct": "num>=0", "measured_pct": M("num>=0")}},
-    "verification_steps": ["str", 3],
-    "pre_rdma_sync": {"sync_script": "str", "command": "str", "validation_checks": ["str", 1], "block_on_failure": "bool",
-                      "sync_status": M("=success|failed"), "sync_output": M("str")},
-    "hardware_calibration": {"measured_performance": M("map"), "workload_distribution": "map", "macos_qos_api": "str",
-                             "calibration_notes": M("str"), "calibration_file": M("str")},
-    "worker_consistency": {"validation_checks": ["str", 1], "script_hash": "str", "code_hash": "str",
-                           "is_consistent": M("bool"), "consistency_threshold": "num>=0",
-                           "divergent_workers": M(["str", 0]), "byzantine_detection": {"enabled": "false", "reason": "str"}},
-    "coordinator_chunking": {"enabled": "bool", "chunk_size": "int>=1", "dataset_size": M("int>=0"),
-                             "num_chunks": M("int>=0"), "why": "str", "progress_reporting": "str",
-                             "memory_management": {"gc_collect": "bool", "mx_clear_cache": "bool"}},
-    "pre_flight_checklist": {"checks": [{"name": "=" + "|".join(LAYERS), "status": STATUS, "detail": "str",
-                                         "fix_command": "text"}, len(LAYERS)],
-                             "validation_layers": ["str", 1], "block_on_failure": "bool", "overall_status": STATUS},
-}
-KINDS = {"str": lambda v: isinstance(v, str) and v != "", "text": lambda v: isinstance(v, str),
-         "bool": lambda v: isinstance(v, bool), "false": lambda v: v is False, "map": lambda v: isinstance(v, dict),
-         "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-         "num": lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
-
-
-def validate(obj, spec, path: str = "$") -> list[str]:
-    """Errors of obj against a SCHEMA spec (empty: valid)."""
-    if isinstance(spec, tuple):  # M(spec)
-        if isinstance(obj, dict) and set(obj) == {"value", "unknown"} and obj["value"] is None:
-            return [] if isinstance(obj["unknown"], str) and len(obj["unknown"]) >= 3 else [f"{path}: unknown without why"]
-        return validate(obj, spec[1], path)
-    if isinstance(spec, dict):
-        if not isinstance(obj, dict):
-            return [f"{path}: expected an object, got {json.dumps(obj)[:60]}"]
-        errs = [f"{path}: missing key {k!r}" for k in spec if k not in obj]
-        errs += [f"{path}: unexpected key {k!r}" for k in obj if k not in spec]
-        return errs + [e for k in spec if k in obj for e in validate(obj[k], spec[k], f"{path}.{k}")]
-    if isinstance(spec, list):
-        if not isinstance(obj, list):
-            return [f"{path}: expected an array, got {json.dumps(obj)[:60]}"]
-        errs = [f"{path}: {len(obj)} items, at least {spec[1]} required"] if len(obj) < spec[1] else []
-        return errs + [e for i, v in enumerate(obj) for e in validate(v, spec[0], f"{path}[{i}]")]
-    if spec.startswith("="):
-        return [] if obj in spec[1:].split("|") else [f"{path}: {obj!r} is not one of {spec[1:].split('|')}"]
-    kind, _, low = spec.partition(">=")
-    if not KINDS[kind](obj):
-        return [f"{path}: expected {kind}, got {json.dumps(obj)[:60]}"]
-    return [f"{path}: {obj} < minimum {low}"] if low and obj < float(low) else []
 
 
 def unknowns_in(obj, path: str = "") -> list[dict]:
@@ -143,11 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, required=True)
     p.add_argument("--run", default="stage1", help="the run whose sync.json, smoke.json, metrics.jsonl are read")
     p.add_argument("--runs-dir", default=str(paths.RUNS), help="where runs, parity and calibrations live")
-    p.add_argument("--calibration", help="a calibration file (default: the newest runs/calibration-*.json)")
-    p.add_argument("--parity", help="a check-parity result (default: runs/parity/last.json)")
     p.add_argument("--max-parity-age-s", type=float, default=3600.0, help="an older check-parity result is stale")
     p.add_argument("--min-speedup", type=float, help="the speedup compare requires (default: compare's)")
-    p.add_argument("--json", action="store_true", help="print the plan JSON on stdout (and nothing else)")
     p.add_argument("--strict", action="store_true", help="exit 1 unless every pre-flight check passes")
     return p
 
@@ -164,7 +84,7 @@ def read_json(path: Path) -> tuple[dict | None, str]:
 
 def load_parity(c) -> dict:
     """The check-parity result for these hosts: {status, code, ts, checks, stale?} or {error}."""
-    path = Path(c.args.parity or Path(c.args.runs_dir) / "parity" / "last.json")
+    path = Path(c.args.runs_dir) / "parity" / "last.json"
     data, why = read_json(path)
     seen = {x.get("host") for x in (data or {}).get("checks", [])} - {"-"}
     if data is None or not set(c.hf.unique_ssh()) <= seen:
@@ -185,7 +105,7 @@ def load_parity(c) -> dict:
 
 def load_calibration(c) -> tuple[dict | None, str]:
     """(the newest calibration measured for these hosts, model and settings, or None; why not)."""
-    files = [Path(c.args.calibration)] if c.args.calibration else sorted(Path(c.args.runs_dir).glob("calibration-*.json"))
+    files = sorted(Path(c.args.runs_dir).glob("calibration-*.json"))
     if not files:
         return None, f"no calibration yet: run `{c.cmd['calibrate']}`"
     cal, why = read_json(files[-1])
@@ -198,8 +118,8 @@ def load_calibration(c) -> tuple[dict | None, str]:
     bad += [] if (hf.get("backend") or "ring") == c.backend else [f"backend {hf.get('backend')}"]
     bad += [] if (cal.get("model"), cal.get("model_sha256")) == (c.args.model, c.model_sha) else [f"model {cal.get('model')}"]
     bad += [f"{k} {cal.get('config', {}).get(k)!r}, not {c.cfg[k]!r}" for k in (
-        "max_seq_length", "num_layers", "fine_tune_type", "lora_parameters", "grad_checkpoint")
-        if cal.get("config", {}).get(k) != c.cfg[k]]
+        "max_seq_length", "num_layers", "fine_tune_type", "lora_parameters", "grad_checkpoint",
+        "loss", "loss_chunk_tokens") if cal.get("config", {}).get(k) != c.cfg[k]]
     if bad:
         return None, f"the newest calibration {paths.rel(files[-1])} was measured for {'; '.join(bad)}: run `{c.cmd['calibrate']}`"
     cal["file"] = paths.rel(files[-1])
@@ -353,7 +273,6 @@ def host_sections(c) -> dict:
         "worker_consistency": {
         "validation_checks": [f"check-parity {n}" for n in names], "consistency_threshold": 1.0,
         "script_hash": sha256_file(paths.ROOT / "bin" / "train.py"),
-        "code_hash": digest_of(tree_hashes(paths.ROOT, ["bin", "lib", "configs", "requirements.lock"])),
         "is_consistent": unknown(p.get("error") or p.get("stale", "")) if "error" in p or p.get("stale") else not bad,
         "divergent_workers": unknown(p["error"]) if "error" in p else bad,
         "byzantine_detection": {"enabled": False, "reason": "every host must match exactly; one that differs is fixed "
@@ -448,24 +367,18 @@ def main() -> int:
         plan = build_plan(args)
     except (RunbookError, ValueError) as e:
         return die(e if isinstance(e, RunbookError) else RunbookError(str(e), ANCHOR), 2)
-    errs = validate(plan, SCHEMA)
-    if errs:  # a bug in this script, not in the inputs: say exactly where
-        return die(RunbookError("the plan breaks its schema (a bug in bin/plan.py): " + "; ".join(errs[:5]), ANCHOR), 3)
     path = Path(args.runs_dir) / f"plan-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     atomic.write_json(path, plan)
     atomic.write_json(path.with_name("plan.json"), plan)
     pf = plan["pre_flight_checklist"]
-    if args.json:
-        print(atomic.dumps_json(plan), end="")
-    else:
-        for x in pf["checks"]:
-            event("plan-check", name=x["name"], status=x["status"], detail=json.dumps(x["detail"]),
-                  fix=json.dumps(x["fix_command"]) if x["fix_command"] else "-")
-        for u in plan["unknowns"]:
-            event("plan-unknown", field=u["field"], reason=json.dumps(u["reason"]))
-        event("plan", file=paths.rel(path), overall_status=pf["overall_status"], world_size=plan["strategy"]["total_gpus"],
-              per_gpu_batch_size=json.dumps(plan["batch_configuration"]["per_gpu_batch_size"]),
-              expected_speedup=json.dumps(plan["performance_targets"]["expected_speedup"]), unknowns=len(plan["unknowns"]))
+    for x in pf["checks"]:
+        event("plan-check", name=x["name"], status=x["status"], detail=json.dumps(x["detail"]),
+              fix=json.dumps(x["fix_command"]) if x["fix_command"] else "-")
+    for u in plan["unknowns"]:
+        event("plan-unknown", field=u["field"], reason=json.dumps(u["reason"]))
+    event("plan", file=paths.rel(path), overall_status=pf["overall_status"], world_size=plan["strategy"]["total_gpus"],
+          per_gpu_batch_size=json.dumps(plan["batch_configuration"]["per_gpu_batch_size"]),
+          expected_speedup=json.dumps(plan["performance_targets"]["expected_speedup"]), unknowns=len(plan["unknowns"]))
     if args.strict and pf["overall_status"] != "pass":
         return die(RunbookError(f"pre-flight {pf['overall_status']}: see the plan-check lines", ANCHOR), 1)
     return 0

@@ -1,6 +1,6 @@
 """calibrate: the model from measurements to a recommendation and a speedup, the compute sweep's
 stops on the real model and the trainer's step, bad input, a failing probe, and `make calibrate`
-on the multi-host fabric (its all_sum bandwidth against a bare TCP transfer in the same run)."""
+on the multi-host fabric."""
 
 from __future__ import annotations
 
@@ -190,9 +190,7 @@ def test_a_link_probe_whose_ranks_cannot_start_fails_with_the_category(tmp_path,
 @pytest.mark.slow
 def test_make_calibrate_on_two_fabric_hosts(fabric, model, tmp_path):
     """make calibrate (sync, check-parity, calibrate) on fab1+fab2 over the ring backend, all_sum up
-    to 16 MiB. The large-message bus bandwidth is within a factor of 5 of a bare TCP transfer of the
-    same bytes both ways at once between the same hosts, in the same run (the fabric's hosts share
-    this machine's cores: see RUNBOOK.md#calibrate)."""
+    to 16 MiB (the fabric's hosts share this machine's cores: see RUNBOOK.md#calibrate)."""
     hf = fabric.hostfile(2)
     out = tmp_path / "cal"
     try:
@@ -218,13 +216,7 @@ def test_make_calibrate_on_two_fabric_hosts(fabric, model, tmp_path):
     assert all(r["mean_s"] >= r["min_s"] > 0 for r in link["allreduce"])
     assert set(link["concurrent"]) == {"fab1", "fab2"} and link["reuse_freed_memory"] is True
     assert link["grad_allreduce"]["bytes"] == doc["trainable_bytes"] > 0
-    tcp = link["tcp"]
-    assert (tcp["from"], tcp["to"], tcp["bytes"]) == ("fab1", "fab2", 16 * MiB)
-    print(f"load {doc['loadavg']['start']}: all_sum best busbw {link['bandwidth_gbps']['busbw_best']:.3f} GB/s, "
-          f"TCP both ways {tcp['both_directions_gbps']:.3f} GB/s (ratio {tcp['allsum_over_tcp']:.2f})")
-    # A sanity band, not the benchmark: page faults or a wrong byte count put the ratio off by 10x or
-    # more; the 1/3 target is bench/'s link row (0.71 at 05:04), on a box the other tests do not load.
-    assert 1 / 5 <= tcp["allsum_over_tcp"] <= 5, tcp
+    print(f"load {doc['loadavg']['start']}: all_sum best busbw {link['bandwidth_gbps']['busbw_best']:.3f} GB/s")
     assert doc["expected_speedup"] > 0 and doc["compute_bound_speedup"] >= doc["expected_speedup"]
     assert 0 <= doc["link_share"] < 1 and doc["speedup"]["dual_how"]["fab2"] == "measured with every rank computing"
     assert doc["recommendation"]["per_rank_batch"] * doc["recommendation"]["grad_accumulation_steps"] * 2 == 6

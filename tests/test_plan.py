@@ -1,12 +1,13 @@
 """plan: the coordinator-format training plan from real inputs (a local check-parity, sync and
-calibration), validated against bin/plan.py's SCHEMA; unknowns said explicitly; foreign or stale
-inputs not used; the schema itself refuses what it must."""
+calibration), validated against the format's SCHEMA below; unknowns said explicitly; foreign or
+stale inputs not used; the schema itself refuses what it must."""
 
 from __future__ import annotations
 
 import copy
 import importlib.util
 import json
+import math
 import os
 import shutil
 
@@ -24,6 +25,84 @@ LOCAL = "hostfile.local.json"
 VENV_PY = str(ROOT / ".venv" / "bin" / "python")
 RUN = f"plantest-{os.getpid()}"
 PLACEHOLDERS = ("todo", "tbd", "placeholder", "n/a", "xxx", "...", "samples/sec", "gs://")
+
+
+def M(inner):
+    """A measured value, or the explicit unknown object."""
+    return ("?", inner)
+
+
+# ---- the coordinator format's schema (version 2.0.0): {key: spec} is an object with exactly those keys,
+# [spec, n] an array of at least n, "=a|b" one of those strings, "kind>=n" a bounded number, M(spec)
+# spec or an unknown ------------------------------------------------------------------------------
+STATUS = "=pass|fail|unknown"
+SCHEMA = {
+    "version": "=" + plan_mod.VERSION, "generated": {"created": "str", "tool": "str", "git": "map", "command": "str"},
+    "sources": {"hostfile": "map", "config": "map", "model_sha256": "str", "parity": M("map"), "calibration": M("map")},
+    "unknowns": [{"field": "str", "reason": "str"}, 0],
+    "strategy": {"approach": "str", "parallelism": "=data", "nodes": "int>=1", "total_gpus": "int>=1",
+                 "gpus_per_node": "int>=1", "device": M("str"), "trainable_params": M("int>=1")},
+    "batch_configuration": {
+        "per_gpu_batch_size": M("int>=1"), "total_batch_size": "int>=1", "gradient_accumulation_steps": "int>=1",
+        "learning_rate": "num>=0", "warmup_epochs": M("num>=0"), "epochs": M("num>=0"), "fits_memory": M("bool"),
+        "recommended": M({"per_gpu_batch_size": "int>=1", "gradient_accumulation_steps": "int>=1",
+                          "config_batch_size": "int>=1", "largest_fitting_batch": "int>=1",
+                          "largest_fitting_batch_kind": "=measured|lower_bound", "why": "str"})},
+    "distributed_config": {"mlx_launch_command": "str", "gradient_sync": "str",
+                           "backend": "=ring|jaccl|jaccl-ring|mpi|nccl", "unified_memory": M("bool"),
+                           "mlx_env_vars": "map"},
+    "rdma_config": {"enabled": "bool", "backend": "str", "platform": "str", "verified": M("bool"), "setup": M("str"),
+                    "env_vars": "map", "expected_speedup": M("num>=0")},
+    "checkpoint_strategy": {"approach": "str", "async": "bool", "compression": "str", "storage": "str",
+                            "frequency": "str", "retention": "str", "resume_command": "str",
+                            "expected_recovery_time": M({"seconds": "num>=0", "source": "str"})},
+    "performance_targets": {"throughput": M({"tok_per_s": "num>=0", "source": "str"}), "expected_speedup": M("num>=0"),
+                            "min_speedup": "num>=0", "gpu_utilization": M("num>=0"), "peak_memory_gb": M("num>=0"),
+                            "checkpoint_overhead": {"target_pct": "num>=0", "measured_pct": M("num>=0")}},
+    "verification_steps": ["str", 3],
+    "pre_rdma_sync": {"sync_script": "str", "command": "str", "validation_checks": ["str", 1], "block_on_failure": "bool",
+                      "sync_status": M("=success|failed"), "sync_output": M("str")},
+    "hardware_calibration": {"measured_performance": M("map"), "workload_distribution": "map", "macos_qos_api": "str",
+                             "calibration_notes": M("str"), "calibration_file": M("str")},
+    "worker_consistency": {"validation_checks": ["str", 1], "script_hash": "str",
+                           "is_consistent": M("bool"), "consistency_threshold": "num>=0",
+                           "divergent_workers": M(["str", 0]), "byzantine_detection": {"enabled": "false", "reason": "str"}},
+    "coordinator_chunking": {"enabled": "bool", "chunk_size": "int>=1", "dataset_size": M("int>=0"),
+                             "num_chunks": M("int>=0"), "why": "str", "progress_reporting": "str",
+                             "memory_management": {"gc_collect": "bool", "mx_clear_cache": "bool"}},
+    "pre_flight_checklist": {"checks": [{"name": "=" + "|".join(plan_mod.LAYERS), "status": STATUS, "detail": "str",
+                                         "fix_command": "text"}, len(plan_mod.LAYERS)],
+                             "validation_layers": ["str", 1], "block_on_failure": "bool", "overall_status": STATUS},
+}
+KINDS = {"str": lambda v: isinstance(v, str) and v != "", "text": lambda v: isinstance(v, str),
+         "bool": lambda v: isinstance(v, bool), "false": lambda v: v is False, "map": lambda v: isinstance(v, dict),
+         "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+         "num": lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def validate(obj, spec, path: str = "$") -> list[str]:
+    """Errors of obj against a SCHEMA spec (empty: valid)."""
+    if isinstance(spec, tuple):  # M(spec)
+        if isinstance(obj, dict) and set(obj) == {"value", "unknown"} and obj["value"] is None:
+            return [] if isinstance(obj["unknown"], str) and len(obj["unknown"]) >= 3 else [f"{path}: unknown without why"]
+        return validate(obj, spec[1], path)
+    if isinstance(spec, dict):
+        if not isinstance(obj, dict):
+            return [f"{path}: expected an object, got {json.dumps(obj)[:60]}"]
+        errs = [f"{path}: missing key {k!r}" for k in spec if k not in obj]
+        errs += [f"{path}: unexpected key {k!r}" for k in obj if k not in spec]
+        return errs + [e for k in spec if k in obj for e in validate(obj[k], spec[k], f"{path}.{k}")]
+    if isinstance(spec, list):
+        if not isinstance(obj, list):
+            return [f"{path}: expected an array, got {json.dumps(obj)[:60]}"]
+        errs = [f"{path}: {len(obj)} items, at least {spec[1]} required"] if len(obj) < spec[1] else []
+        return errs + [e for i, v in enumerate(obj) for e in validate(v, spec[0], f"{path}[{i}]")]
+    if spec.startswith("="):
+        return [] if obj in spec[1:].split("|") else [f"{path}: {obj!r} is not one of {spec[1:].split('|')}"]
+    kind, _, low = spec.partition(">=")
+    if not KINDS[kind](obj):
+        return [f"{path}: expected {kind}, got {json.dumps(obj)[:60]}"]
+    return [f"{path}: {obj} < minimum {low}"] if low and obj < float(low) else []
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +148,7 @@ def leaves(obj, path=""):
 def test_plan_from_measured_inputs(runs_dir):
     p, doc = plan(runs_dir, "--min-speedup", "0", "--strict")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert plan_mod.validate(doc, plan_mod.SCHEMA) == []
+    assert validate(doc, SCHEMA) == []
     stamped = sorted(runs_dir.glob("plan-*.json"))
     assert stamped and json.loads(stamped[-1].read_text()) == doc
     assert doc["version"] == "2.0.0" and all(s in doc for s in plan_mod.SECTIONS)
@@ -107,7 +186,7 @@ def test_plan_from_measured_inputs(runs_dir):
 def test_plan_with_nothing_measured_says_so_and_strict_fails(tmp_path):
     p, doc = plan(tmp_path, check=False)
     assert p.returncode == 0, p.stderr
-    assert plan_mod.validate(doc, plan_mod.SCHEMA) == []
+    assert validate(doc, SCHEMA) == []
     unknown = {u["field"]: u["reason"] for u in doc["unknowns"]}
     assert "no calibration yet: run `make calibrate" in unknown["performance_targets.expected_speedup"]
     assert "no check-parity result" in unknown["worker_consistency.is_consistent"]
@@ -121,7 +200,7 @@ def test_plan_with_nothing_measured_says_so_and_strict_fails(tmp_path):
 
 def test_a_calibration_of_other_hosts_or_settings_is_not_used(runs_dir):
     _, doc = plan(runs_dir, hostfile="hostfile.json")  # Mac4 + Mac5: nothing here was measured for them
-    assert plan_mod.validate(doc, plan_mod.SCHEMA) == []
+    assert validate(doc, SCHEMA) == []
     why = doc["performance_targets"]["expected_speedup"]["unknown"]
     assert "was measured for hosts ['127.0.0.1', '127.0.0.1']" in why and "make calibrate HOSTFILE=hostfile.json" in why
     assert "checked ['127.0.0.1'], not ['mac4', 'mac5']" in doc["worker_consistency"]["is_consistent"]["unknown"]
@@ -155,12 +234,12 @@ def test_stale_or_failing_parity(runs_dir, tmp_path):
 
 def test_schema_refuses_what_it_must(runs_dir):
     _, good = plan(runs_dir)
-    assert plan_mod.validate(good, plan_mod.SCHEMA) == []
+    assert validate(good, SCHEMA) == []
 
     def errs(mutate):
         d = copy.deepcopy(good)
         mutate(d)
-        return plan_mod.validate(d, plan_mod.SCHEMA)
+        return validate(d, SCHEMA)
 
     assert any("missing key 'rdma_config'" in e for e in errs(lambda d: d.pop("rdma_config")))
     assert errs(lambda d: d.update(version="1.0.0"))
@@ -186,7 +265,7 @@ def test_make_plan(runs_dir):
     try:
         assert len(new) == 1 and "plan file runs/plan-" in p.stdout
         doc = json.loads((ROOT / "runs" / "plan.json").read_text())
-        assert plan_mod.validate(doc, plan_mod.SCHEMA) == [] and doc == json.loads(next(iter(new)).read_text())
+        assert validate(doc, SCHEMA) == [] and doc == json.loads(next(iter(new)).read_text())
     finally:
         for f in new:
             f.unlink()
