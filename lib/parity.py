@@ -20,7 +20,6 @@ PROBE_SOURCE = Path(__file__).with_name("parity_probe.py")
 CODE_PARTS = ["bin", "lib", "configs", "requirements.lock"]
 # What runtime.packages compares: mlx, mlx-lm and the four they load, plus mlx's platform wheel.
 PACKAGES = ["mlx", "mlx-lm", "numpy", "transformers", "tokenizers", "safetensors", "mlx-cpu", "mlx-metal"]
-MLX_MIN = (0, 32, 1)
 LOCK_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)\s*(?:;\s*(.*?))?\s*\\?\s*$")
 # A constant script: $1 = PYTHON, $2 = the probe's JSON parameters, its source on stdin. Exit 97 with
 # a last stderr line "@@ missing" or "@@ exit N" when PYTHON does not exist or dies before it prints.
@@ -88,10 +87,6 @@ def lock_pins(text: str, env: dict) -> dict[str, str]:
         if not m.group(3) or Marker(m.group(3)).evaluate(dict(env, extra="")):
             pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
     return pins
-
-
-def version_tuple(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
 
 
 def peers_of(hf: Hostfile) -> dict[str, list[str]]:

@@ -65,14 +65,10 @@ def probe_mlx():
             "seconds": round(time.monotonic() - t0, 3)}
 
 
-def probe_files(base, parts, deep):
-    """{rel: [size, mtime, sha256 or None]} of the files of `parts` under `base` (sha256 with `deep`)."""
-    files = {}
-    for rel in iter_files(base, parts):
-        full = os.path.join(base, rel)
-        st = os.stat(full)
-        files[rel] = [st.st_size, int(st.st_mtime), sha256_file(full) if deep else None]
-    return files
+def probe_files(base, parts, hashed):
+    """{rel: [size, sha256 or None]} of the files of `parts` under `base` (sha256 when `hashed`)."""
+    return {rel: [os.path.getsize(os.path.join(base, rel)), sha256_file(os.path.join(base, rel)) if hashed else None]
+            for rel in iter_files(base, parts)}
 
 
 def probe_root(root):
@@ -178,10 +174,9 @@ def main(argv):
                    link=guard(probe_link, p.get("peers", []), float(p.get("link_enough_ms", 0.5))))
         if sys.platform == "darwin":
             res["macos"] = probe_macos(bool(p.get("rdma")))
-    if "content" in parts:  # code and dataset always hashed; the model with --deep
-        res["code"] = guard(probe_files, root, p.get("code_parts", []), True)
-        res["model"] = guard(probe_files, p.get("model_path") or "/nonexistent", ["."], bool(p.get("deep")))
-        res["dataset"] = guard(probe_files, p.get("dataset_path") or "/nonexistent", p.get("dataset_parts", []), True)
+    if "content" in parts:  # {name: [folder, parts, hashed]}: code and dataset hashed, the model with --deep
+        for name, (base, names, hashed) in p.get("content", {}).items():
+            res[name] = guard(probe_files, base, names, hashed)
     res["seconds"] = round(time.monotonic() - t0, 3)
     sys.stdout.write(json.dumps(res, sort_keys=True) + "\n")
     return 0
