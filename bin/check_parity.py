@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check(name: str, host: str, status: str, detail: str, fix: str = "") -> dict:
     """One row of the result; a passing row carries no fix."""
-    return {"name": name, "host": host, "status": status, "detail": detail, "fix": "" if status == "pass" else fix}
+    fix = "" if status == "pass" else fix
+    return {"name": name, "host": host, "status": status, "detail": detail, "fix": fix}
 
 
 def listed(label: str, items: list) -> list[str]:
@@ -124,7 +125,8 @@ def eval_python(h: str, pythons: dict, fix: str) -> dict:
     first = next(iter(keys))
     if keys[h] == keys[first]:
         return check("runtime.python", h, "pass", f"{pythons[h]['requested']} -> {keys[h]}")
-    return check("runtime.python", h, "fail", f"PYTHON resolves to {keys[h]}, but to {keys[first]} on {first}", fix)
+    why = f"PYTHON resolves to {keys[h]}, but to {keys[first]} on {first}"
+    return check("runtime.python", h, "fail", why, fix)
 
 
 def eval_packages(h: str, f: dict, lock: str, fix: str) -> list[dict]:
@@ -138,14 +140,14 @@ def eval_packages(h: str, f: dict, lock: str, fix: str) -> list[dict]:
     same = ", ".join(f"{n} {have.get(n)}" for n in parity.PACKAGES if n in pins) + " = requirements.lock"
     out = [check("runtime.packages", h, "fail" if bad else "pass",
                  "differs from requirements.lock: " + "; ".join(bad) if bad else same, fix)]
-    where = f"mlx.core {mx.get('version')} from {mx.get('file')}"
+    where, why = f"mlx.core {mx.get('version')} from {mx.get('file')}", ""
     if not mx.get("ok"):
-        why = "mlx.core does not work: " + (mx.get("error") or f"1+2+3 doubled gave {mx.get('result')}, not 12")
+        why = mx.get("error") or f"1+2+3 doubled gave {mx.get('result')}, not 12"
+        why = "mlx.core does not work: " + why
     elif have.get("mlx") and mx["version"] != have["mlx"]:
         why = f"the imported {where}, but the installed mlx is {have['mlx']}: another copy shadows it"
-    else:
-        return out + [check("runtime.mlx", h, "pass", f"{where} computes ({mx['device']}, {mx['seconds']} s)")]
-    return out + [check("runtime.mlx", h, "fail", why, fix)]
+    ok = f"{where} computes ({mx.get('device')}, {mx.get('seconds')} s)"
+    return out + [check("runtime.mlx", h, "fail" if why else "pass", why or ok, fix)]
 
 
 def eval_env(h: str, f: dict, envs: list[str]) -> dict:
@@ -154,10 +156,10 @@ def eval_env(h: str, f: dict, envs: list[str]) -> dict:
                              ("this host's ssh environment", FAST_SYNCH in f["env"])) if on]
     if not where:
         return check("runtime.env", h, "pass", f"{FAST_SYNCH} unset")
-    return check("runtime.env", h, "fail", f"{FAST_SYNCH} is set in {' and '.join(where)}: it can wedge "
-                 "the GPU until a reboot (ml-explore/mlx#3142, #3830)", "remove it (hostfile envs, the host's "
-                 "~/.zshenv): the MLX docs say to leave it unset, though the coordinator seed still recommends "
-                 "it; see RUNBOOK.md#parity-fast-synch")
+    return check("runtime.env", h, "fail", f"{FAST_SYNCH} is set in {' and '.join(where)}: it can "
+                 "wedge the GPU until a reboot (ml-explore/mlx#3142, #3830)", "remove it (hostfile envs, the "
+                 "host's ~/.zshenv): the MLX docs say to leave it unset, though the coordinator seed still "
+                 "recommends it; see RUNBOOK.md#parity-fast-synch")
 
 
 def eval_resources(args, h: str, f: dict) -> list[dict]:
@@ -170,13 +172,15 @@ def eval_resources(args, h: str, f: dict) -> list[dict]:
                  f"cannot read free disk: {disk.get('error')}",
                  f"free space on the host (du -sh {args.root}/runs/*), or lower MIN_DISK_GB; {fix}"),
            check("resources.memory", h, "pass" if avail >= MIN_MEM_GB else "warn",
-                 f"{avail:.1f} GB available of {mem['total_bytes'] / GB:.1f} GB (warn below {MIN_MEM_GB:g} GB)"
+                 f"{avail:.1f} GB available of {mem['total_bytes'] / GB:.1f} GB (warn below {MIN_MEM_GB:g}"
+                 " GB)"
                  if "available_bytes" in mem else f"cannot read free memory: {mem.get('error')}",
                  f"stop other jobs on the host; {fix}")]
     err, root, status, fix = disk.get("errno"), args.root, "fail", TCC_FIX
     under = os.path.relpath(root, disk.get("home") or "/").split("/")[0]  # ".." when not under home
     if err == "EPERM":
-        why = f"{root}: Operation not permitted (EPERM): macOS privacy protection (TCC) refuses this ssh session"
+        why = (f"{root}: Operation not permitted (EPERM): macOS privacy protection (TCC) refuses this ssh "
+               "session")
     elif err == "EACCES":
         why = f"{root}: Permission denied (EACCES): its owner or mode refuses the ssh user"
         fix = f"ls -ld {root} on the host, then chown or chmod it for the ssh user; see RUNBOOK.md#parity-tcc"
@@ -193,7 +197,8 @@ def eval_resources(args, h: str, f: dict) -> list[dict]:
 
 def eval_macos(args, h: str, f: dict, hf) -> list[dict]:
     """Thunderbolt, RDMA, sleep and wired memory from the macOS tools' output (skipped elsewhere)."""
-    jaccl, ranks, mac = hf.backend.startswith("jaccl"), [r for r in hf.hosts if r.ssh == h], f.get("macos") or {}
+    ranks, mac = [r for r in hf.hosts if r.ssh == h], f.get("macos") or {}
+    jaccl = hf.backend.startswith("jaccl")
     ips = [ip for r in ranks for ip in r.ips]
     if f["system"] != "Darwin":
         names = ["resources.thunderbolt", "resources.sleep", "resources.wired"] + ["resources.rdma"] * jaccl
@@ -282,7 +287,8 @@ def eval_content(args, h: str, f: dict, ref: dict) -> list[dict]:
             bad = listed("differs", differ) + listed("missing", set(ours) - set(theirs)) + listed(
                 "extra on host", set(theirs) - set(ours))
             mb = sum(v[0] for v in ours.values()) / 1e6
-            status, detail = ("fail", "; ".join(bad)) if bad else ("pass", f"{len(ours)} files, {mb:.1f} MB identical")
+            status = "fail" if bad else "pass"
+            detail = "; ".join(bad) if bad else f"{len(ours)} files, {mb:.1f} MB identical"
         out.append(check(name, h, status, f"{where}: {detail}", args.fix[name]))
     return out
 
@@ -331,8 +337,10 @@ def probe_host(args, h: str, hf, peers: dict, deadline: float) -> tuple:
     """(facts or None, Result, seconds) of one host's probe."""
     params = {"python": args.python, "remote_root": args.root, "parts": GATES[args.gate],
               "own_ips": list(dict.fromkeys(ip for r in hf.hosts if r.ssh == h for ip in r.ips)),
-              "peers": peers.get(h, []), "link_enough_ms": RTT_WARN_MS / 4, "rdma": hf.backend.startswith("jaccl"),
-              "content": {name: [there, parts, hashed] for name, (_, there, parts, hashed) in args.content.items()}}
+              "peers": peers.get(h, []), "link_enough_ms": RTT_WARN_MS / 4,
+              "rdma": hf.backend.startswith("jaccl"),
+              "content": {name: [there, parts, hashed] for name, (_, there, parts, hashed)
+                          in args.content.items()}}
     t0 = time.monotonic()
     facts, r = parity.probe(h, args.python, params, max(1.0, deadline - t0 - 0.5))
     return facts, r, time.monotonic() - t0
@@ -379,7 +387,8 @@ def plugin_line(result: dict, args) -> str:
         bad = [f"{c['name']} on {c['host']}" for c in mine if c["status"] != "pass"]
         more = f", +{len(bad) - 4} more" if len(bad) > 4 else ""
         if bad or (mine and part in GATES[args.gate]):
-            summary.append(f"{part} {STATUS[code_of(mine)]}" + (f" ({', '.join(bad[:4])}{more})" if bad else ""))
+            where = f" ({', '.join(bad[:4])}{more})" if bad else ""
+            summary.append(f"{part} {STATUS[code_of(mine)]}{where}")
         else:  # a gate not asked for, or one that the hostfile or inputs stopped before it began
             summary.append(f"{part} " + ("not reached" if part in GATES[args.gate] else
                                          f"not checked (--gate {args.gate})"))
@@ -434,7 +443,8 @@ def main() -> int:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another run holds it: say so, touch nothing
             lock.seek(0)
-            why = f"another check-parity is running (pid {lock.read().strip() or '?'} holds {state / '.lock'})"
+            pid = lock.read().strip() or "?"
+            why = f"another check-parity is running (pid {pid} holds {state / '.lock'})"
             checks, code, last = [check("lock", "-", "fail", why + "; this run exits without checking",
                                         "wait for it to finish; see RUNBOOK.md#parity-lock")], 3, None
         else:
