@@ -362,9 +362,9 @@ def run_checks(args, deadline: float) -> list[dict]:
             ref.update({name: local_probe.probe_files(here, parts, hashed)
                         for name, (here, _, parts, hashed) in args.content.items()})
         results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
-    links = {h: (f or {}).get("link") or {"error": None} for h, (f, _, _) in results.items()}
+    links = {h: (f or {}).get("link") or {} for h, (f, _, _) in results.items()}
     args.rtts = {h: max(v["rtt_ms"] for v in link.values()) for h, link in links.items()  # for the perfdata
-                 if "error" not in link and None not in [v["rtt_ms"] for v in link.values()]}
+                 if link and "error" not in link and None not in [v["rtt_ms"] for v in link.values()]}
     summary = f"{hf.backend or 'ring'}, {hf.size} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}"
     return [check("hostfile", "-", "pass", f"{args.hostfile}: {summary}")] + evaluate(args, hf, ref, results)
 
