@@ -19,11 +19,6 @@ import time
 CMD_TIMEOUT = 8  # seconds, for each macOS tool
 
 
-def sha256_file(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def iter_files(root, parts):
     """lib.hashing.iter_files's rule (a test keeps them in step): hidden files and __pycache__ skipped."""
     out = set()
@@ -70,8 +65,9 @@ def probe_files(base, parts, hashed):
     """{rel: [size, sha256 or None]} of the files of `parts` under `base` (sha256 when `hashed`)."""
     files = {}
     for rel in iter_files(base, parts):
-        full = os.path.join(base, rel)
-        files[rel] = [os.path.getsize(full), sha256_file(full) if hashed else None]
+        with open(os.path.join(base, rel), "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest() if hashed else None
+            files[rel] = [os.fstat(f.fileno()).st_size, digest]
     return files
 
 
