@@ -166,14 +166,14 @@ def eval_resources(args, h: str, f: dict) -> list[dict]:
     """Free disk at REMOTE_ROOT, available memory, and whether the ssh session may read REMOTE_ROOT: TCC
     refuses ~/Desktop, ~/Documents, ~/Downloads with EPERM ("Operation not permitted"), modes with EACCES."""
     disk, mem, fix = f["disk"], f.get("memory") or {}, "see RUNBOOK.md#parity-resources"
-    free, avail = disk.get("free_bytes", -GB) / GB, (mem.get("available_bytes") or 0) / GB
+    free = disk.get("free_bytes", -GB) / GB
+    avail, total = (mem.get("available_bytes") or 0) / GB, (mem.get("total_bytes") or 0) / GB
     out = [check("resources.disk", h, "pass" if free >= args.min_disk_gb else "fail",
                  f"{free:.1f} GB free at {disk['path']} (minimum {args.min_disk_gb:g} GB)" if free >= 0 else
                  f"cannot read free disk: {disk.get('error')}",
                  f"free space on the host (du -sh {args.root}/runs/*), or lower MIN_DISK_GB; {fix}"),
            check("resources.memory", h, "pass" if avail >= MIN_MEM_GB else "warn",
-                 f"{avail:.1f} GB available of {mem['total_bytes'] / GB:.1f} GB (warn below {MIN_MEM_GB:g}"
-                 " GB)"
+                 f"{avail:.1f} GB available of {total:.1f} GB (warn below {MIN_MEM_GB:g} GB)"
                  if "available_bytes" in mem else f"cannot read free memory: {mem.get('error')}",
                  f"stop other jobs on the host; {fix}")]
     err, root, status, fix = disk.get("errno"), args.root, "fail", TCC_FIX
