@@ -1,14 +1,13 @@
 #!/usr/bin/env python3
 """check-parity: preflight every host of the hostfile, in the plan's order; each failure names its fix.
 
-Usage: python bin/check_parity.py --hostfile HF --python PY --remote-root DIR [--gate runtime|content|all]
-           [--model PATH|HF_ID] [--dataset NAME] [--json] [--deep] [--timeout S] [--min-disk-gb N] [--state-dir D]
+Gate runtime: ssh, runtime.*, resources.*, link.*; gate content: the code, model and dataset bytes.
+One probe per host, all within --timeout; a second run exits 3 (flock); the result also goes to
+<state-dir>/last.json. Text output starts with a monitoring plugin's line (`PARITY OK - runtime OK;
+content OK | duration=0.31s;;;0 ...`). Exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.
 Example (`make check-parity`; `make provision` adds --gate runtime):
     python bin/check_parity.py --hostfile hostfile.json --python /Users/op/thunder-runbook/.venv/bin/python \
-        --remote-root /Users/op/thunder-runbook --model models/tiny-gemma4 --dataset domain_sft_v1_high_signal_thunder
-Gate runtime: ssh, runtime.*, resources.*, link.*; content: code, model, dataset bytes. One probe per host within
---timeout; a second run exits 3 (flock); also writes <state-dir>/last.json. Text starts `PARITY OK - runtime OK;
-content OK | duration=0.31s;;;0 ...` (a monitoring plugin's line). Exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.
+        --remote-root /Users/op/thunder-runbook --model models/gemma-4-e2b-4bit --dataset domain_sft_v1
 """
 
 from __future__ import annotations
@@ -37,8 +36,9 @@ from lib.log import RunbookError  # noqa: E402
 STATUS = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "UNKNOWN"}
 GATES = {"runtime": ["runtime"], "content": ["content"], "all": ["runtime", "content"]}
 CONTENT, FAST_SYNCH = ("code", "model", "dataset"), "MLX_METAL_FAST_SYNCH"
-TCC_FIX = ("on the host: System Settings > General > Sharing > Remote Login (i) > Allow full disk access for "
-           "remote users, or move REMOTE_ROOT out of ~/Desktop, ~/Documents, ~/Downloads; see RUNBOOK.md#parity-tcc")
+TCC_FIX = ("on the host: System Settings > General > Sharing > Remote Login (i) > Allow full disk access "
+           "for remote users, or move REMOTE_ROOT out of ~/Desktop, ~/Documents, ~/Downloads; "
+           "see RUNBOOK.md#parity-tcc")
 LINK_FIX = "see RUNBOOK.md#parity-link"
 MIN_MEM_GB, RTT_WARN_MS, GB, MiB = 2.0, 2.0, 1 << 30, 1 << 20
 
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="", help="local model folder (checked) or a hub id (skipped)")
     p.add_argument("--dataset", default="", help="dataset name under datasets/ (checked once exported)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
-    p.add_argument("--deep", action="store_true", help="hash every model file (default: size + mtime)")
+    p.add_argument("--deep", action="store_true", help="hash every model file (default: compare sizes)")
     p.add_argument("--timeout", type=float, help="bound on the whole check, s (default 20; 600 with --deep)")
     p.add_argument("--min-disk-gb", type=float, default=10.0, help="free disk needed at REMOTE_ROOT")
     p.add_argument("--state-dir", default=str(paths.RUNS / "parity"), help="lock and last.json")
@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check(name: str, host: str, status: str, detail: str, fix: str = "") -> dict:
-    return {"name": name, "host": host, "status": status, "detail": detail, "fix": "" if status == "pass" else fix}
+    """One row of the result; a passing row carries no fix."""
+    fix = "" if status == "pass" else fix
+    return {"name": name, "host": host, "status": status, "detail": detail, "fix": fix}
 
 
 def listed(label: str, items: list) -> list[str]:
@@ -69,37 +71,42 @@ def listed(label: str, items: list) -> list[str]:
 
 
 def validate_inputs(args):
-    """The hostfile and every value that reaches a subprocess, refused before any runs (RunbookError)."""
+    """The hostfile and every value that reaches a subprocess, refused before any runs (RunbookError).
+    Sets args.content: {name: (this checkout's folder, the hosts' folder, its parts, sha256 or sizes)}."""
     hf = load_hostfile(args.hostfile)
     check_path(args.python, "PYTHON")
     args.root = os.path.normpath(check_path(args.remote_root, "REMOTE_ROOT"))
     if args.dataset and not paths.is_safe_name(args.dataset):
         raise RunbookError(f"DATASET {args.dataset!r} refused: use a plain folder name (letters, digits, "
                            "'.', '_', '-')", "parity-dataset")
+    args.content = {"code": (str(paths.ROOT), args.root, parity.CODE_PARTS, True)}
     local = Path(os.path.abspath(paths.ROOT / args.model))  # not resolved: models/x may link to a bigger disk
-    args.model_local = local if args.model and local.is_dir() else None  # hosts: the same repo-relative path
+    args.model_local = local if args.model and local.is_dir() else None
     if args.model_local and (gone := paths.missing_shards(local)):
         raise RunbookError(f"MODEL {args.model} is incomplete here: model.safetensors.index.json names "
                            f"{', '.join(gone)}, not in the folder; fetch it again (make model ... REPLACE=1)",
                            "parity-model")
-    remote = args.model_local and (os.path.join(args.root, local.relative_to(paths.ROOT).as_posix())
-                                   if local.is_relative_to(paths.ROOT) else str(local))
-    args.model_remote = remote and check_path(remote, "MODEL path on the hosts")
-    manifest = paths.DATASETS / args.dataset / "manifest.json"  # the manifest and its files, once exported here
-    args.dataset_parts = ["manifest.json", *json.loads(manifest.read_text(encoding="utf-8")).get("files", {})] \
-        if args.dataset and manifest.is_file() else None
+    if args.model_local:  # on the hosts under REMOTE_ROOT; a folder outside the repo at the same path
+        rel = local.relative_to(paths.ROOT).as_posix() if local.is_relative_to(paths.ROOT) else str(local)
+        remote = check_path(os.path.join(args.root, rel), "MODEL path on the hosts")
+        args.content["model"] = (str(local), remote, ["."], args.deep)
+    manifest = paths.DATASETS / args.dataset / "manifest.json"
+    if args.dataset and manifest.is_file():  # exported here: the manifest and the files it names
+        files = ["manifest.json", *json.loads(manifest.read_text(encoding="utf-8")).get("files", {})]
+        args.content["dataset"] = (str(manifest.parent), f"{args.root}/datasets/{args.dataset}", files, True)
     args.model_bytes = sum(p.stat().st_size for p in local.glob("*.safetensors")) if args.model_local else 0
     args.peaks, args.calibration = calibrated_peaks(args.model)
     h = f"HOSTFILE={args.hostfile}"
     args.fix = {"provision": f"make provision {h}; see RUNBOOK.md#parity-runtime",
-                "sync": f"make sync {h}; see RUNBOOK.md#parity-code",
-                "sync_model": f"make sync {h} SYNC_MODEL=1; see RUNBOOK.md#parity-model",
-                "deep": f"make check-parity {h} DEEP=1; see RUNBOOK.md#parity-model"}
+                "code": f"make sync {h}; see RUNBOOK.md#parity-code",
+                "model": f"make sync {h} SYNC_MODEL=1; see RUNBOOK.md#parity-model",
+                "dataset": f"make sync {h}; see RUNBOOK.md#parity-code"}
     return hf
 
 
 def calibrated_peaks(model: str) -> tuple[dict, str]:
-    """({host: peak bytes at the recommended per-rank batch, weights included}, file): newest calibration of MODEL."""
+    """({host: peak bytes at the recommended per-rank batch, weights included}, file name) of the newest
+    calibration of MODEL; ({}, "") when there is none."""
     for path in sorted(paths.RUNS.glob("calibration-*.json"), reverse=True):
         doc = json.loads(path.read_text(encoding="utf-8"))
         if model and doc.get("model") == model:
@@ -112,91 +119,86 @@ def calibrated_peaks(model: str) -> tuple[dict, str]:
     return {}, ""
 
 
-def local_reference(args) -> dict:
-    """What every host is compared with: this checkout's lock, and its code, model and dataset files."""
-    content, probe = "content" in GATES[args.gate], local_probe.probe_files
-    return {"lock": (paths.ROOT / "requirements.lock").read_text(encoding="utf-8"),
-            "code": probe(str(paths.ROOT), parity.CODE_PARTS, True) if content else None,
-            "model": probe(str(args.model_local), ["."], args.deep) if content and args.model_local else None,
-            "dataset": probe(str(paths.DATASETS / args.dataset), args.dataset_parts, True)
-            if content and args.dataset_parts else None}
-
-
-def eval_python(h: str, runnable: dict, args) -> dict:
+def eval_python(h: str, pythons: dict, fix: str) -> dict:
     """PYTHON resolves to the same interpreter (real path, version) on every host as on the first one."""
-    keys = {k: f"{p['realpath']} (Python {p['version']})" for k, p in runnable.items()}
+    keys = {k: f"{p['realpath']} (Python {p['version']})" for k, p in pythons.items()}
     first = next(iter(keys))
     if keys[h] == keys[first]:
-        return check("runtime.python", h, "pass", f"{runnable[h]['requested']} -> {keys[h]}")
-    return check("runtime.python", h, "fail", f"PYTHON resolves to {keys[h]}, but to {keys[first]} on {first}",
-                 args.fix["provision"])
+        return check("runtime.python", h, "pass", f"{pythons[h]['requested']} -> {keys[h]}")
+    why = f"PYTHON resolves to {keys[h]}, but to {keys[first]} on {first}"
+    return check("runtime.python", h, "fail", why, fix)
 
 
 def eval_packages(h: str, f: dict, lock: str, fix: str) -> list[dict]:
-    """runtime.packages: the lock's versions here; runtime.mlx: mlx.core computes, is new enough and not shadowed."""
+    """runtime.packages: the lock's versions here; runtime.mlx: mlx.core computes and is not shadowed."""
     have, mx, pins = f.get("packages") or {}, f.get("mlx") or {}, parity.lock_pins(lock, f["marker_env"])
-    bad = [f"{n}: requirements.lock has no pin for this host's platform" for n in parity.PACKAGES[:6] if n not in pins]
+    bad = [f"{n}: requirements.lock has no pin for this host's platform"
+           for n in parity.PACKAGES[:6] if n not in pins]
     bad += [f"{n} {have.get(n) or 'missing'} (lock {pins[n]})" for n in parity.PACKAGES
             if n in pins and have.get(n) != pins[n]]
     bad = [f"cannot list packages: {have['error']}"] if "error" in have else bad
-    ok = ", ".join(f"{n} {have[n]}" for n in parity.PACKAGES if n in pins) + " = requirements.lock"
+    same = ", ".join(f"{n} {have.get(n)}" for n in parity.PACKAGES if n in pins) + " = requirements.lock"
     out = [check("runtime.packages", h, "fail" if bad else "pass",
-                 "differs from requirements.lock: " + "; ".join(bad) if bad else ok, fix)]
-    where = f"mlx.core {mx.get('version')} from {mx.get('file')}"
+                 "differs from requirements.lock: " + "; ".join(bad) if bad else same, fix)]
+    where, why = f"mlx.core {mx.get('version')} from {mx.get('file')}", ""
     if not mx.get("ok"):
-        why = "mlx.core does not work: " + (mx.get("error") or f"1+2+3 doubled gave {mx.get('result')}, not 12")
-    elif parity.version_tuple(mx["version"] or "0") < parity.MLX_MIN:
-        why = (f"{where} is older than 0.32.1 (earlier versions leave the surviving rank hanging when one dies "
-               "and mishandle the interpreter path)")
+        why = mx.get("error") or f"1+2+3 doubled gave {mx.get('result')}, not 12"
+        why = "mlx.core does not work: " + why
     elif have.get("mlx") and mx["version"] != have["mlx"]:
         why = f"the imported {where}, but the installed mlx is {have['mlx']}: another copy shadows it"
-    else:
-        return out + [check("runtime.mlx", h, "pass", f"{where} computes ({mx['device']}, {mx['seconds']} s)")]
-    return out + [check("runtime.mlx", h, "fail", why, fix)]
+    ok = f"{where} computes ({mx.get('device')}, {mx.get('seconds')} s)"
+    return out + [check("runtime.mlx", h, "fail" if why else "pass", why or ok, fix)]
 
 
 def eval_env(h: str, f: dict, envs: list[str]) -> dict:
+    """runtime.env: MLX_METAL_FAST_SYNCH must be unset in the hostfile's envs and the host's environment."""
     where = [w for w, on in (("the hostfile's envs", any(e.split("=")[0] == FAST_SYNCH for e in envs)),
                              ("this host's ssh environment", FAST_SYNCH in f["env"])) if on]
-    return check("runtime.env", h, "fail" if where else "pass", f"{FAST_SYNCH} is set in {' and '.join(where)}: it "
-                 "can wedge the GPU until a reboot (ml-explore/mlx#3142, #3830)" if where else f"{FAST_SYNCH} unset",
-                 "remove it (hostfile envs, the host's ~/.zshenv): the MLX docs say to leave it unset, though the "
-                 "coordinator seed still recommends it; see RUNBOOK.md#parity-fast-synch")
+    if not where:
+        return check("runtime.env", h, "pass", f"{FAST_SYNCH} unset")
+    return check("runtime.env", h, "fail", f"{FAST_SYNCH} is set in {' and '.join(where)}: it can "
+                 "wedge the GPU until a reboot (ml-explore/mlx#3142, #3830)", "remove it (hostfile envs, the "
+                 "host's ~/.zshenv): the MLX docs say to leave it unset, though the coordinator seed still "
+                 "recommends it; see RUNBOOK.md#parity-fast-synch")
 
 
 def eval_resources(args, h: str, f: dict) -> list[dict]:
     """Free disk at REMOTE_ROOT, available memory, and whether the ssh session may read REMOTE_ROOT: TCC
     refuses ~/Desktop, ~/Documents, ~/Downloads with EPERM ("Operation not permitted"), modes with EACCES."""
     disk, mem, fix = f["disk"], f.get("memory") or {}, "see RUNBOOK.md#parity-resources"
-    free, avail = disk.get("free_bytes", -GB) / GB, (mem.get("available_bytes") or 0) / GB
+    free = disk.get("free_bytes", -GB) / GB
+    avail, total = (mem.get("available_bytes") or 0) / GB, (mem.get("total_bytes") or 0) / GB
     out = [check("resources.disk", h, "pass" if free >= args.min_disk_gb else "fail",
                  f"{free:.1f} GB free at {disk['path']} (minimum {args.min_disk_gb:g} GB)" if free >= 0 else
                  f"cannot read free disk: {disk.get('error')}",
                  f"free space on the host (du -sh {args.root}/runs/*), or lower MIN_DISK_GB; {fix}"),
            check("resources.memory", h, "pass" if avail >= MIN_MEM_GB else "warn",
-                 f"{avail:.1f} GB available of {mem['total_bytes'] / GB:.1f} GB (warn below {MIN_MEM_GB:g} GB)"
+                 f"{avail:.1f} GB available of {total:.1f} GB (warn below {MIN_MEM_GB:g} GB)"
                  if "available_bytes" in mem else f"cannot read free memory: {mem.get('error')}",
                  f"stop other jobs on the host; {fix}")]
-    err, root, home = disk.get("errno"), args.root, (disk.get("home") or "/-").rstrip("/") + "/"
-    under, status, fix = root[len(home):].split("/")[0] if root.startswith(home) else "", "fail", TCC_FIX
+    err, root, status, fix = disk.get("errno"), args.root, "fail", TCC_FIX
+    under = os.path.relpath(root, disk.get("home") or "/").split("/")[0]  # ".." when not under home
     if err == "EPERM":
-        why = f"{root}: Operation not permitted (EPERM): macOS privacy protection (TCC) refuses this ssh session"
+        why = (f"{root}: Operation not permitted (EPERM): macOS privacy protection (TCC) refuses this ssh "
+               "session")
     elif err == "EACCES":
         why = f"{root}: Permission denied (EACCES): its owner or mode refuses the ssh user"
         fix = f"ls -ld {root} on the host, then chown or chmod it for the ssh user; see RUNBOOK.md#parity-tcc"
     elif err not in (None, "ENOENT"):
         why = f"{root}: {disk.get('error')}"
     elif f["system"] == "Darwin" and under in ("Desktop", "Documents", "Downloads"):
-        status, why = "warn", (f"{root} lies under ~/{under}: ssh may read it only while full disk access for "
-                               "remote users stays on, and a macOS update can turn that off")
+        status, why = "warn", (f"{root} lies under ~/{under}: ssh may read it only while full disk access "
+                               "for remote users stays on, and a macOS update can turn that off")
     else:
-        status, why = "pass", f"{root} " + ("does not exist yet (sync creates it)" if err else "is readable over ssh")
+        status = "pass"
+        why = f"{root} " + ("does not exist yet (sync creates it)" if err else "is readable over ssh")
     return out + [check("resources.remote_root", h, status, why, fix)]
 
 
 def eval_macos(args, h: str, f: dict, hf) -> list[dict]:
     """Thunderbolt, RDMA, sleep and wired memory from the macOS tools' output (skipped elsewhere)."""
-    jaccl, ranks, mac = hf.backend.startswith("jaccl"), [r for r in hf.hosts if r.ssh == h], f.get("macos") or {}
+    ranks, mac = [r for r in hf.hosts if r.ssh == h], f.get("macos") or {}
+    jaccl = hf.backend.startswith("jaccl")
     ips = [ip for r in ranks for ip in r.ips]
     if f["system"] != "Darwin":
         names = ["resources.thunderbolt", "resources.sleep", "resources.wired"] + ["resources.rdma"] * jaccl
@@ -206,83 +208,88 @@ def eval_macos(args, h: str, f: dict, hf) -> list[dict]:
     out = [check("resources.thunderbolt", h, "pass", f"skipped: {skip}") if skip else check(
         "resources.thunderbolt", h, *parity.thunderbolt_facts(ips, mac), "see RUNBOOK.md#parity-thunderbolt")]
     status, detail, flag = parity.sleep_facts(mac.get("pmset"), mac.get("pmset_ps"))
-    out += [check("resources.sleep", h, status, detail, f"on the host: sudo pmset {flag} sleep 0 (or System Settings "
-                  "> Energy: prevent automatic sleeping); caffeinate -i holds only while the ranks and make train "
-                  "run; see RUNBOOK.md#parity-sleep"), eval_wired(args, h, f)]
+    out += [check("resources.sleep", h, status, detail, f"on the host: sudo pmset {flag} sleep 0 (or System "
+                  "Settings > Energy: prevent automatic sleeping); caffeinate -i holds only while the ranks "
+                  "and make train run; see RUNBOOK.md#parity-sleep"), eval_wired(args, h, f)]
     if jaccl:
-        wanted, missing, shown = parity.rdma_missing([e for r in ranks for e in r.rdma], mac.get("ibv_devices"))
+        rdma = [e for r in ranks for e in r.rdma]
+        wanted, missing, shown = parity.rdma_missing(rdma, mac.get("ibv_devices"))
         detail = (f"ibv_devices does not list {', '.join(missing)} (lists: {', '.join(shown) or 'nothing'})"
                   if missing else f"ibv_devices lists {', '.join(wanted)}")
-        out.append(check("resources.rdma", h, "fail" if missing else "pass", detail, "enable RDMA in recoveryOS "
-                         "(rdma_ctl enable), check the cables; see RUNBOOK.md#parity-thunderbolt"))
+        out.append(check("resources.rdma", h, "fail" if missing else "pass", detail, "enable RDMA in "
+                         "recoveryOS (rdma_ctl enable), check the cables; see RUNBOOK.md#parity-thunderbolt"))
     return out
 
 
 def eval_wired(args, h: str, f: dict) -> dict:
     """A rank's need (this model's calibrated peak, weights included; else the weights) against Metal's
     recommended working set (mlx-lm wires it; a raised iogpu.wired_limit_mb raises it)."""
-    limit, ws = parity.wired_limit_mb((f.get("macos") or {}).get("wired_limit")), (f.get("mlx") or {}).get("working_set")
-    total, peak, fix = (f.get("memory") or {}).get("total_bytes") or 0, args.peaks.get(h), "see RUNBOOK.md#parity-wired-limit"
+    limit = parity.wired_limit_mb((f.get("macos") or {}).get("wired_limit"))
+    ws, total = (f.get("mlx") or {}).get("working_set"), (f.get("memory") or {}).get("total_bytes") or 0
+    peak, fix = args.peaks.get(h), "see RUNBOOK.md#parity-wired-limit"
     need, safe_mb = max(args.model_bytes, peak or 0), max(total // MiB - 4096, 0)
     what = (f"calibrated peak {peak / GB:.1f} GB ({args.calibration}, weights included)" if peak else
             f"the model's {args.model_bytes / GB:.1f} GB of weights (no calibration of this model)")
     detail = (f"iogpu.wired_limit_mb {limit if limit else '0 (the default)'}; recommended working set "
               f"{(ws or 0) / GB:.1f} GB of {total / GB:.0f} GB; needs {what}")
+    froze = "over-wiring froze 16 GB Macs, exo#1672"
     if limit and limit > safe_mb:
-        status, detail = "warn", detail + ": the limit leaves under 4 GB to macOS (over-wiring froze 16 GB Macs, exo#1672)"
+        status, detail = "warn", f"{detail}: the limit leaves under 4 GB to macOS ({froze})"
         fix = f"on the host: sudo sysctl iogpu.wired_limit_mb={safe_mb} (or 0, the default); " + fix
     elif ws and need > ws:
         status = "warn"
         detail += f": over the working set by {(need - ws) / GB:.1f} GB (the GPU pages, or the run fails)"
         fix = (f"a smaller per-rank batch (make calibrate), or on the host: sudo sysctl iogpu.wired_limit_mb="
-               f"{min(-(-need // MiB) + 1024, safe_mb)} (resets at reboot; keep 4 GB for macOS: over-wiring froze "
-               "16 GB Macs, exo#1672); " + fix)
+               f"{min(-(-need // MiB) + 1024, safe_mb)} (resets at reboot; keep 4 GB for macOS: {froze}); "
+               + fix)
+    elif ws:
+        status = "pass"
     else:
-        status, detail = ("pass", detail) if ws else ("warn", "mlx reports no recommended working set: " + detail)
+        status, detail = "warn", "mlx reports no recommended working set: " + detail
     return check("resources.wired", h, status, detail, fix)
 
 
 def eval_link(h: str, f: dict) -> list[dict]:
     """link.ips: the hostfile's IPs are this host's; link.rtt: the fastest TCP handshake to each peer IP."""
     ips, link, out = f["ips"], f["link"], []
-    missing = [ip for ip, ok in ips.items() if ok is not True]
     if ips and "error" not in ips:
-        out.append(check("link.ips", h, "fail" if missing else "pass", f"hostfile IP(s) {', '.join(missing)} are not "
-                         f"this host's" if missing else f"owns {', '.join(ips)}", f"fix the hostfile's ips; {LINK_FIX}"))
-    if "error" in link or not link:
-        return out + [check("link.rtt", h, "fail" if link else "pass", f"probe error: {link['error']}" if link
-                            else "skipped: no peers (one rank)", LINK_FIX)]
-    dead = [f"{ip} ({v['error']})" for ip, v in link.items() if v["rtt_ms"] is None]
-    slow = [ip for ip, v in link.items() if v["rtt_ms"] is not None and v["rtt_ms"] > RTT_WARN_MS]
-    shown = ", ".join(f"{ip} {v['rtt_ms']} ms (min of {v['tries']})" for ip, v in link.items() if v["rtt_ms"] is not None)
-    if dead:
+        missing = [ip for ip, ok in ips.items() if ok is not True]
+        out.append(check("link.ips", h, "fail" if missing else "pass",
+                         f"hostfile IP(s) {', '.join(missing)} are not this host's" if missing else
+                         f"owns {', '.join(ips)}", f"fix the hostfile's ips; {LINK_FIX}"))
+    if not link:
+        return out + [check("link.rtt", h, "pass", "skipped: no peers (one rank)")]
+    if "error" in link:
+        return out + [check("link.rtt", h, "fail", f"probe error: {link['error']}", LINK_FIX)]
+    if dead := [f"{ip} ({v['error']})" for ip, v in link.items() if v["rtt_ms"] is None]:
         return out + [check("link.rtt", h, "fail", "peer(s) unreachable: " + "; ".join(dead),
                             f"check the cable/bridge and the peer's IP; {LINK_FIX}")]
-    return out + [check("link.rtt", h, "warn" if slow else "pass", (f"round trip above {RTT_WARN_MS:g} ms: " if slow
-                        else "") + f"{shown} (TCP :22)", f"the ring may run over Wi-Fi/Ethernet, not Thunderbolt; {LINK_FIX}")]
+    slow = any(v["rtt_ms"] > RTT_WARN_MS for v in link.values())
+    shown = ", ".join(f"{ip} {v['rtt_ms']} ms (min of {v['tries']})" for ip, v in link.items())
+    return out + [check("link.rtt", h, "warn" if slow else "pass",
+                        (f"round trip above {RTT_WARN_MS:g} ms: " if slow else "") + f"{shown} (TCP :22)",
+                        f"the ring may run over Wi-Fi/Ethernet, not Thunderbolt; {LINK_FIX}")]
 
 
 def eval_content(args, h: str, f: dict, ref: dict) -> list[dict]:
-    """code, model, dataset files {rel: [size, mtime, sha256|None]} equal this checkout's (no sha256: mtime warns)."""
+    """code, model, dataset: the host's files {rel: [size, sha256 or None]} equal this checkout's (the
+    model's sha256 only with --deep). A dataset not synced yet only warns."""
     out = []
-    for name, where, fix in (("code", args.root, "sync"), ("model", args.model_remote, "sync_model"),
-                             ("dataset", f"{args.root}/datasets/{args.dataset}", "sync")):
+    for name, (_, where, _, _) in args.content.items():
         ours, theirs = ref[name], f[name]
-        if ours is None:
-            continue
-        if "error" in theirs or not theirs:
-            why = f"probe error: {theirs['error']}" if theirs else f"none of its {len(ours)} files exist on this host (not synced yet)"
-            fails, warns = [] if name == "dataset" and not theirs else [why], [why]
+        if "error" in theirs:
+            status, detail = "fail", f"probe error: {theirs['error']}"
+        elif not theirs:
+            status = "warn" if name == "dataset" else "fail"
+            detail = f"none of its {len(ours)} files exist on this host (not synced yet)"
         else:
-            both = set(ours) & set(theirs)
-            differ = [p for p in both if ours[p][0] != theirs[p][0] or ours[p][2] != theirs[p][2]]
-            fails = listed("differs", differ) + listed("missing", set(ours) - set(theirs)) + listed(
+            differ = [p for p in set(ours) & set(theirs) if ours[p] != theirs[p]]
+            bad = listed("differs", differ) + listed("missing", set(ours) - set(theirs)) + listed(
                 "extra on host", set(theirs) - set(ours))
-            warns = listed("mtime differs (size equal; unverified)", [p for p in both if p not in differ
-                                                                      and ours[p][2] is None and ours[p][1] != theirs[p][1]])
-        status = "fail" if fails else "warn" if warns else "pass"
-        detail = "; ".join(fails or warns) or f"{len(ours)} files, {sum(v[0] for v in ours.values()) / 1e6:.1f} MB identical"
-        out.append(check(name, h, status, f"{where}: {detail}", args.fix["deep" if status == "warn" and name == "model" else fix]))
+            mb = sum(v[0] for v in ours.values()) / 1e6
+            status = "fail" if bad else "pass"
+            detail = "; ".join(bad) if bad else f"{len(ours)} files, {mb:.1f} MB identical"
+        out.append(check(name, h, status, f"{where}: {detail}", args.fix[name]))
     return out
 
 
@@ -292,34 +299,35 @@ def model_note(args) -> list[dict]:
         return []
     if args.model.startswith((".", "/", "models/")):
         return [check("model", "local", "fail", f"MODEL {args.model} does not exist here",
-                      "generate it (make tiny-model) or set MODEL=; see RUNBOOK.md#parity-model")]
-    return [check("model", "-", "pass", f"skipped: MODEL {args.model} is a hub id (each host resolves it from its "
-                  "own cache)" if args.model else "skipped: no MODEL")]
+                      "fetch it (make model HF_REPO=...) or set MODEL=; see RUNBOOK.md#parity-model")]
+    return [check("model", "-", "pass", f"skipped: MODEL {args.model} is a hub id (each host resolves it "
+                  "from its own cache)" if args.model else "skipped: no MODEL")]
 
 
 def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
     """The gate's checks for every host from its probe: results[host] = (facts or None, Result, seconds)."""
-    checks, facts, runtime = [], {}, "runtime" in GATES[args.gate]
+    checks, facts = [], {}
     for h in hf.unique_ssh():
         f, r, secs = results[h]
         why = parity.python_failure(args.python, r) if f is None else None
         if f is None and not why:
             tail = (r.stderr.strip() or r.stdout.strip())[-300:] or "empty output"
             checks.append(check("ssh", h, "fail", *parity.ssh_failure(h, r) if not r.ok else (
-                f"ssh works but the probe printed no result: {tail}", "run the probe by hand: see RUNBOOK.md#parity-ssh")))
+                f"ssh works but the probe printed no result: {tail}",
+                "run the probe by hand: see RUNBOOK.md#parity-ssh")))
             continue
-        how = "local (127.0.0.1, like mlx.launch)" if is_local(h) else "ssh ok"  # this machine by name too: self-ssh
+        how = "local (127.0.0.1, like mlx.launch)" if is_local(h) else "ssh ok"  # this machine by name: ssh
         checks.append(check("ssh", h, "pass", f"{how}, round trip {secs:.2f} s"))
         if why:  # PYTHON is missing or dies: nothing more can be asked of this host
             checks.append(check("runtime.python", h, "fail", why, args.fix["provision"]))
         else:
             facts[h] = f
+    pythons, fix = {k: v["python"] for k, v in facts.items()}, args.fix["provision"]
     for h, f in facts.items():
-        if runtime:
-            checks += [eval_python(h, {k: v["python"] for k, v in facts.items()}, args),
-                       *eval_packages(h, f, ref["lock"], args.fix["provision"]), eval_env(h, f, hf.envs),
-                       *eval_resources(args, h, f),
-                       *eval_macos(args, h, f, hf), *eval_link(h, f)]
+        if "runtime" in GATES[args.gate]:
+            checks += [eval_python(h, pythons, fix), *eval_packages(h, f, ref["lock"], fix),
+                       eval_env(h, f, hf.envs), *eval_resources(args, h, f), *eval_macos(args, h, f, hf),
+                       *eval_link(h, f)]
         if "content" in GATES[args.gate]:
             checks += eval_content(args, h, f, ref)
     return checks + (model_note(args) if "content" in GATES[args.gate] else [])
@@ -327,17 +335,19 @@ def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
 
 def probe_host(args, h: str, hf, peers: dict, deadline: float) -> tuple:
     """(facts or None, Result, seconds) of one host's probe."""
-    params = {"python": args.python, "remote_root": args.root, "parts": GATES[args.gate], "peers": peers.get(h, []),
+    params = {"python": args.python, "remote_root": args.root, "parts": GATES[args.gate],
               "own_ips": list(dict.fromkeys(ip for r in hf.hosts if r.ssh == h for ip in r.ips)),
-              "link_enough_ms": RTT_WARN_MS / 4, "rdma": hf.backend.startswith("jaccl"), "deep": args.deep,
-              "code_parts": parity.CODE_PARTS, "model_path": args.model_remote, "dataset_parts": args.dataset_parts,
-              "dataset_path": os.path.join(args.root, "datasets", args.dataset) if args.dataset else None}
+              "peers": peers.get(h, []), "link_enough_ms": RTT_WARN_MS / 4,
+              "rdma": hf.backend.startswith("jaccl"),
+              "content": {name: [there, parts, hashed] for name, (_, there, parts, hashed)
+                          in args.content.items()}}
     t0 = time.monotonic()
     facts, r = parity.probe(h, args.python, params, max(1.0, deadline - t0 - 0.5))
     return facts, r, time.monotonic() - t0
 
 
 def run_checks(args, deadline: float) -> list[dict]:
+    """The hostfile's row, then every host's checks; refused inputs are one row, before any ssh."""
     try:
         hf = validate_inputs(args)
     except RunbookError as e:
@@ -346,12 +356,17 @@ def run_checks(args, deadline: float) -> list[dict]:
     hosts, peers = hf.unique_ssh(), parity.peers_of(hf)
     with ThreadPoolExecutor(len(hosts)) as pool:  # every probe bounded by the deadline (subprocess timeout)
         running = {h: pool.submit(probe_host, args, h, hf, peers, deadline) for h in hosts}
-        ref = local_reference(args)  # hashed here while the hosts answer
+        # this checkout's lock and files, hashed here while the hosts answer
+        ref = {"lock": (paths.ROOT / "requirements.lock").read_text(encoding="utf-8")}
+        if "content" in GATES[args.gate]:
+            ref.update({name: local_probe.probe_files(here, parts, hashed)
+                        for name, (here, _, parts, hashed) in args.content.items()})
         results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
-    args.rtts = {h: max(v["rtt_ms"] for v in link.values()) for h, (f, _, _) in results.items() if (link := (
-        f or {}).get("link")) and "error" not in link and all(v["rtt_ms"] is not None for v in link.values())}
-    summary = f"{args.hostfile}: {hf.backend or 'ring'}, {hf.size} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}"
-    return [check("hostfile", "-", "pass", summary)] + evaluate(args, hf, ref, results)
+    links = {h: (f or {}).get("link") or {} for h, (f, _, _) in results.items()}
+    args.rtts = {h: max(v["rtt_ms"] for v in link.values()) for h, link in links.items()  # for the perfdata
+                 if link and "error" not in link and None not in [v["rtt_ms"] for v in link.values()]}
+    summary = f"{hf.backend or 'ring'}, {hf.size} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}"
+    return [check("hostfile", "-", "pass", f"{args.hostfile}: {summary}")] + evaluate(args, hf, ref, results)
 
 
 def code_of(checks: list[dict]) -> int:
@@ -372,9 +387,11 @@ def plugin_line(result: dict, args) -> str:
         bad = [f"{c['name']} on {c['host']}" for c in mine if c["status"] != "pass"]
         more = f", +{len(bad) - 4} more" if len(bad) > 4 else ""
         if bad or (mine and part in GATES[args.gate]):
-            summary.append(f"{part} {STATUS[code_of(mine)]}" + (f" ({', '.join(bad[:4])}{more})" if bad else ""))
+            where = f" ({', '.join(bad[:4])}{more})" if bad else ""
+            summary.append(f"{part} {STATUS[code_of(mine)]}{where}")
         else:  # a gate not asked for, or one that the hostfile or inputs stopped before it began
-            summary.append(f"{part} not reached" if part in GATES[args.gate] else f"{part} not checked (--gate {args.gate})")
+            summary.append(f"{part} " + ("not reached" if part in GATES[args.gate] else
+                                         f"not checked (--gate {args.gate})"))
     summary = [rows[0]["detail"][:200]] if result["code"] == 3 else summary
     n = Counter(c["status"] for c in rows)
     perf = [f"duration={result['duration_s']}s;;;0", f"failed={n['fail']};;;0", f"warned={n['warn']};;;0"]
@@ -386,10 +403,11 @@ def print_table(result: dict, args) -> None:
     rows, n = result["checks"], Counter(c["status"] for c in result["checks"])
     wn, wh = max([len(c["name"]) for c in rows] + [5]), max([len(c["host"]) for c in rows] + [4])
     print(plugin_line(result, args))
-    print(f"check-parity gate {args.gate} hostfile {args.hostfile} python {args.python} remote_root {args.remote_root}")
     for c in rows:
-        print(f"  {c['status'] if c['status'] == 'pass' else c['status'].upper():<6}  {c['name']:<{wn}}  "
-              f"{c['host']:<{wh}}  {c['detail']}" + ("\n" + " " * (wn + wh + 14) + f"fix: {c['fix']}" if c["fix"] else ""))
+        status = c["status"] if c["status"] == "pass" else c["status"].upper()
+        print(f"  {status:<6}  {c['name']:<{wn}}  {c['host']:<{wh}}  {c['detail']}")
+        if c["fix"]:
+            print(" " * (wn + wh + 14) + f"fix: {c['fix']}")
     print(f"check-parity status {result['status']} code {result['code']} checks {len(rows)} fail {n['fail']} "
           f"warn {n['warn']} duration_s {result['duration_s']}", flush=True)
 
@@ -425,8 +443,9 @@ def main() -> int:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another run holds it: say so, touch nothing
             lock.seek(0)
-            checks, code, last = [check("lock", "-", "fail", f"another check-parity is running (pid {lock.read().strip() or '?'}"
-                                        f" holds {state / '.lock'}); this run exits without checking",
+            pid = lock.read().strip() or "?"
+            why = f"another check-parity is running (pid {pid} holds {state / '.lock'})"
+            checks, code, last = [check("lock", "-", "fail", why + "; this run exits without checking",
                                         "wait for it to finish; see RUNBOOK.md#parity-lock")], 3, None
         else:
             lock.truncate(0)

@@ -20,7 +20,6 @@ PROBE_SOURCE = Path(__file__).with_name("parity_probe.py")
 CODE_PARTS = ["bin", "lib", "configs", "requirements.lock"]
 # What runtime.packages compares: mlx, mlx-lm and the four they load, plus mlx's platform wheel.
 PACKAGES = ["mlx", "mlx-lm", "numpy", "transformers", "tokenizers", "safetensors", "mlx-cpu", "mlx-metal"]
-MLX_MIN = (0, 32, 1)
 LOCK_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)\s*(?:;\s*(.*?))?\s*\\?\s*$")
 # A constant script: $1 = PYTHON, $2 = the probe's JSON parameters, its source on stdin. Exit 97 with
 # a last stderr line "@@ missing" or "@@ exit N" when PYTHON does not exist or dies before it prints.
@@ -55,14 +54,17 @@ def python_failure(python: str, r: Result) -> str | None:
 
 HOST_KEY = "see RUNBOOK.md#parity-ssh-host-key"
 SSH_FAILURES = [  # (stderr pattern, detail, fix): {last} = ssh's last line; {ssh} {host} in the fix
-    ("IDENTIFICATION HAS CHANGED|Offending|Host key verification failed|host key is known", "host key unknown or "
-     "CHANGED (a reinstalled host, or an attack): ssh never prompts here", "confirm the host's key fingerprint, then "
-     "(if it changed: ssh-keygen -R {host}) {ssh} -o StrictHostKeyChecking=accept-new {host} true; " + HOST_KEY),
-    ("Permission denied", "authentication refused: {last}", "install your key on the host: ssh-copy-id {host}"),
-    ("Connection refused", "sshd not listening: {last}", "start sshd on the host (macOS: System Settings > "
-     "General > Sharing > Remote Login)"),
-    ("timed out|No route|unreachable|Host is down|resolve", "host unreachable: {last}", "check the name in the "
-     "hostfile (or ~/.ssh/config), that the host is up, and the cable or network: {ssh} {host} true"),
+    ("IDENTIFICATION HAS CHANGED|Offending|Host key verification failed|host key is known",
+     "host key unknown or CHANGED (a reinstalled host, or an attack): ssh never prompts here",
+     "confirm the host's key fingerprint, then (if it changed: ssh-keygen -R {host}) "
+     "{ssh} -o StrictHostKeyChecking=accept-new {host} true; " + HOST_KEY),
+    ("Permission denied", "authentication refused: {last}",
+     "install your key on the host: ssh-copy-id {host}"),
+    ("Connection refused", "sshd not listening: {last}",
+     "start sshd on the host (macOS: System Settings > General > Sharing > Remote Login)"),
+    ("timed out|No route|unreachable|Host is down|resolve", "host unreachable: {last}",
+     "check the name in the hostfile (or ~/.ssh/config), that the host is up, and the cable or network: "
+     "{ssh} {host} true"),
 ]
 
 
@@ -88,10 +90,6 @@ def lock_pins(text: str, env: dict) -> dict[str, str]:
         if not m.group(3) or Marker(m.group(3)).evaluate(dict(env, extra="")):
             pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
     return pins
-
-
-def version_tuple(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
 
 
 def peers_of(hf: Hostfile) -> dict[str, list[str]]:
@@ -120,7 +118,8 @@ def parse_ifconfig(text: str) -> dict[str, dict]:
     for line in text.splitlines():
         m = re.match(r"^([A-Za-z0-9_.-]+): flags=\w+<([^>]*)>", line)
         if m:
-            cur = out.setdefault(m.group(1), {"flags": m.group(2).split(","), "inet": [], "members": [], "status": ""})
+            cur = out.setdefault(m.group(1), {"flags": m.group(2).split(","), "inet": [], "members": [],
+                                              "status": ""})
         elif cur and line.strip().split(" ")[0] in ("inet", "member:"):
             cur["inet" if line.strip().startswith("inet") else "members"].append(line.split()[1])
         elif cur and line.strip().startswith("status: "):
@@ -135,18 +134,19 @@ def parse_ibv_devices(text: str) -> list[str]:
 
 
 def parse_thunderbolt(text: str) -> list[dict]:
-    """`system_profiler SPThunderboltDataType -json` -> per port: {"receptacle", "speed", "peers": [devices]}."""
+    """`system_profiler SPThunderboltDataType -json` -> per port: {"receptacle", "speed", "peers"}."""
     ports = []
     for bus in json.loads(text).get("SPThunderboltDataType", []):
         tag = next((v for k, v in bus.items() if k.startswith("receptacle_") and isinstance(v, dict)), {})
-        ports.append({"receptacle": tag.get("receptacle_id_key", "?"), "speed": tag.get("current_speed_key", ""),
-                      "peers": [i.get("device_name_key") or i.get("_name", "?") for i in bus.get("_items", [])]})
+        peers = [i.get("device_name_key") or i.get("_name", "?") for i in bus.get("_items", [])]
+        ports.append({"receptacle": tag.get("receptacle_id_key", "?"),
+                      "speed": tag.get("current_speed_key", ""), "peers": peers})
     return ports
 
 
 def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
     """(pass|warn|fail, detail): each hostfile IP is on a Thunderbolt interface that is up, with a peer."""
-    out = {k: v if isinstance(v, str) else "" for k, v in outputs.items()}  # a tool that failed: {"error": ...}
+    out = {k: v if isinstance(v, str) else "" for k, v in outputs.items()}  # a failed tool: {"error": ...}
     ports, ifaces = parse_hardware_ports(out.get("networksetup", "")), parse_ifconfig(out.get("ifconfig", ""))
     tb = parse_thunderbolt(out["system_profiler"]) if out.get("system_profiler") else []
     problems, warns, notes = [], [], []
@@ -171,7 +171,8 @@ def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
     if tb and not connected:
         problems.append("no Thunderbolt peer connected on any port (system_profiler): check the cable")
     elif connected:
-        notes.append("peer " + ", ".join(f"{p['peers'][0]} on port {p['receptacle']} at {p['speed']}" for p in connected))
+        notes.append("peer " + ", ".join(f"{p['peers'][0]} on port {p['receptacle']} at {p['speed']}"
+                                         for p in connected))
     status = "fail" if problems else "warn" if warns else "pass"
     return status, "; ".join(problems + warns + notes if status != "fail" else problems + warns)
 
@@ -184,8 +185,9 @@ def rdma_missing(row: list, ibv_output: object) -> tuple[list[str], list[str], l
 
 
 def sleep_facts(pmset: object, ps: object) -> tuple[str, str, str]:
-    """(pass|warn, detail, pmset flag): `pmset -g` shows the current power source's (`pmset -g ps`) settings;
-    sleep N > 0 sleeps after N idle minutes ("sleep prevented by X" lasts while X runs; disksleep is harmless)."""
+    """(pass|warn, detail, pmset flag): `pmset -g` shows the current power source's (`pmset -g ps`)
+    settings; sleep N > 0 sleeps after N idle minutes ("sleep prevented by X" lasts while X runs;
+    disksleep is harmless)."""
     m = re.search(r"(?m)^\s*sleep\s+(\d+)(.*)$", pmset if isinstance(pmset, str) else "")
     src = re.search(r"Now drawing from '([^']+)'", ps if isinstance(ps, str) else "")
     source = src.group(1) if src else "the current power source"

@@ -1,6 +1,7 @@
 """The host side of check-parity: one self-contained probe (standard library, and packaging) that prints one
 JSON object of facts; it only reads. lib/parity.py's PROBE_SH runs it as `PYTHON -c <source> '<params>'`.
-Example, by hand: python lib/parity_probe.py '{"remote_root": "/Users/op/thunder-runbook", "parts": ["runtime"]}'
+Example, by hand:
+    python lib/parity_probe.py '{"remote_root": "/Users/op/thunder-runbook", "parts": ["runtime"]}'
 """
 
 from __future__ import annotations
@@ -16,11 +17,6 @@ import sys
 import time
 
 CMD_TIMEOUT = 8  # seconds, for each macOS tool
-
-
-def sha256_file(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def iter_files(root, parts):
@@ -65,13 +61,13 @@ def probe_mlx():
             "seconds": round(time.monotonic() - t0, 3)}
 
 
-def probe_files(base, parts, deep):
-    """{rel: [size, mtime, sha256 or None]} of the files of `parts` under `base` (sha256 with `deep`)."""
+def probe_files(base, parts, hashed):
+    """{rel: [size, sha256 or None]} of the files of `parts` under `base` (sha256 when `hashed`)."""
     files = {}
     for rel in iter_files(base, parts):
-        full = os.path.join(base, rel)
-        st = os.stat(full)
-        files[rel] = [st.st_size, int(st.st_mtime), sha256_file(full) if deep else None]
+        with open(os.path.join(base, rel), "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest() if hashed else None
+            files[rel] = [os.fstat(f.fileno()).st_size, digest]
     return files
 
 
@@ -101,7 +97,8 @@ def probe_memory():
             if v.strip().rstrip(".").isdigit():
                 pages[k.strip()] = int(v.strip().rstrip("."))
         avail = sum(pages.get("Pages " + k, 0) for k in ("free", "inactive", "purgeable", "speculative"))
-        return {"total_bytes": int(run(["sysctl", "-n", "hw.memsize"]).strip()), "available_bytes": avail * page}
+        total = int(run(["sysctl", "-n", "hw.memsize"]).strip())
+        return {"total_bytes": total, "available_bytes": avail * page}
     with open("/proc/meminfo") as f:
         info = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)}
     return {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable")}
@@ -150,8 +147,9 @@ def run(argv):
 def probe_macos(want_rdma):
     """Raw output of the macOS tools; lib/parity.py parses it on the orchestrator."""
     cmds = {"networksetup": ["networksetup", "-listallhardwareports"], "ifconfig": ["ifconfig"],
-            "system_profiler": ["system_profiler", "SPThunderboltDataType", "-json"], "pmset": ["pmset", "-g"],
-            "pmset_ps": ["pmset", "-g", "ps"], "wired_limit": ["sysctl", "-n", "iogpu.wired_limit_mb"]}
+            "system_profiler": ["system_profiler", "SPThunderboltDataType", "-json"],
+            "pmset": ["pmset", "-g"], "pmset_ps": ["pmset", "-g", "ps"],
+            "wired_limit": ["sysctl", "-n", "iogpu.wired_limit_mb"]}
     if want_rdma:
         cmds["ibv_devices"] = ["ibv_devices"]
     return {key: guard(run, argv) for key, argv in cmds.items()}
@@ -168,20 +166,20 @@ def guard(fn, *args):
 def main(argv):
     t0, p = time.monotonic(), json.loads(argv[1]) if len(argv) > 1 else {}
     root, parts = p.get("remote_root") or "/", p.get("parts") or ["runtime", "content"]
-    res = {"probe_version": 3, "system": platform.system(), "marker_env": marker_env(),
-           "python": {"requested": p.get("python") or sys.executable, "version": platform.python_version(),
-                      "realpath": os.path.realpath(p.get("python") or sys.executable)}, "disk": guard(probe_root, root),
-           "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
+    python = p.get("python") or sys.executable
+    env = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
+    res = {"probe_version": 4, "system": platform.system(), "marker_env": marker_env(), "env": env,
+           "python": {"requested": python, "realpath": os.path.realpath(python),
+                      "version": platform.python_version()}, "disk": guard(probe_root, root)}
     if "runtime" in parts:
         res.update(packages=guard(installed_dists), mlx=guard(probe_mlx), memory=guard(probe_memory),
                    ips=guard(probe_ips, p.get("own_ips", [])),
                    link=guard(probe_link, p.get("peers", []), float(p.get("link_enough_ms", 0.5))))
         if sys.platform == "darwin":
             res["macos"] = probe_macos(bool(p.get("rdma")))
-    if "content" in parts:  # code and dataset always hashed; the model with --deep
-        res["code"] = guard(probe_files, root, p.get("code_parts", []), True)
-        res["model"] = guard(probe_files, p.get("model_path") or "/nonexistent", ["."], bool(p.get("deep")))
-        res["dataset"] = guard(probe_files, p.get("dataset_path") or "/nonexistent", p.get("dataset_parts", []), True)
+    if "content" in parts:  # {name: [folder, parts, hashed]}: code and dataset hashed, the model with --deep
+        for name, (base, names, hashed) in p.get("content", {}).items():
+            res[name] = guard(probe_files, base, names, hashed)
     res["seconds"] = round(time.monotonic() - t0, 3)
     sys.stdout.write(json.dumps(res, sort_keys=True) + "\n")
     return 0
