@@ -129,6 +129,25 @@ def test_status_during_and_after_a_run(fabric, reference):
     assert re.search(r"^\S+Z iter 8 rank 1 ", (ROOT / "runs/fab-long-ref/logs/launch-train.log").read_text(), re.M)
 
 
+def test_control_and_compare_on_the_fabric(fabric, long_cfg, reference):
+    """The rest of the chain on the released layout (#18): `make control` on fab1 with the same
+    config, then `make compare`. With token-weighted gradients the dual run computes what the
+    control computes (#19): compare's exactness check holds their step-1 loss to float error, and
+    the whole curve stays close. Speed is not judged here (MIN_SPEEDUP=0): the fabric's hosts
+    share this machine's 2 cores (bench/README.md#scaling)."""
+    run = "fab-long-ref"
+    fmake(fabric, "control", *fab_vars(fabric, run, CONFIG=str(long_cfg), CONTROL_HOST="fab1"))
+    p = fmake(fabric, "compare", *fab_vars(fabric, run), "MIN_SPEEDUP=0", "TEST_BATCHES=4", check=False)
+    rep = json.loads((ROOT / f"runs/{run}/compare/report.json").read_text())
+    assert p.returncode == 0 and rep["verdict"] == "pass", (p.stdout[-2000:], p.stderr[-2000:], rep["reasons"])
+    exact = rep["loss"]["exact"]
+    assert exact["ok"] and exact["step1_rel"] <= 1e-5 and exact["steps"] == 12, exact
+    assert exact["max_rel"] <= 1e-5, exact  # every step's loss: 6e-7 measured; mlx-lm's averaging differs by ~1e-3
+    assert rep["runs"]["control"]["world_size"] == 1 and rep["runs"]["dual"]["world_size"] == 2
+    dual, control = losses(run), losses(f"{run}-control")
+    assert dual.keys() == control.keys() and len(dual) == 12
+
+
 def test_rank_killed_mid_run_resumes_to_the_same_adapter(fabric_faults, long_cfg, reference):
     fabric, run = fabric_faults, "fab-long-kill"
     t, out = train(fabric, long_cfg, run, RESTARTS="1")
