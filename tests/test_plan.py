@@ -207,6 +207,12 @@ def test_a_calibration_of_other_hosts_or_settings_is_not_used(runs_dir):
     _, doc = plan(runs_dir, config="configs/demo.yaml")
     why = doc["hardware_calibration"]["calibration_file"]["unknown"]
     assert "max_seq_length 256, not 192" in why
+    # The recommended batch and its memory are the config's loss's: a calibration of the other loss is refused.
+    chunked = runs_dir / "chunked.yaml"
+    chunked.write_text((ROOT / CONFIG).read_text().replace("loss: default", "") + "loss: chunked\n")
+    _, doc = plan(runs_dir, config=str(chunked))
+    why = doc["hardware_calibration"]["calibration_file"]["unknown"]
+    assert "loss 'default', not 'chunked'" in why and "make calibrate" in why, why
 
 
 def test_stale_or_failing_parity(runs_dir, tmp_path):
