@@ -82,11 +82,8 @@ def validate_inputs(args):
     args.content = {"code": (str(paths.ROOT), args.root, parity.CODE_PARTS, True)}
     local = Path(os.path.abspath(paths.ROOT / args.model))  # not resolved: models/x may link to a bigger disk
     args.model_local = local if args.model and local.is_dir() else None
-    if args.model_local and (gone := paths.missing_shards(local)):
-        raise RunbookError(f"MODEL {args.model} is incomplete here: model.safetensors.index.json names "
-                           f"{', '.join(gone)}, not in the folder; fetch it again (make model ... REPLACE=1)",
-                           "parity-model")
     if args.model_local:  # on the hosts under REMOTE_ROOT; a folder outside the repo at the same path
+        paths.require_complete(local, args.model, "parity-model")
         rel = local.relative_to(paths.ROOT).as_posix() if local.is_relative_to(paths.ROOT) else str(local)
         remote = check_path(os.path.join(args.root, rel), "MODEL path on the hosts")
         args.content["model"] = (str(local), remote, ["."], args.deep)

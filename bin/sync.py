@@ -129,10 +129,8 @@ def load_plan(args) -> dict:
     code = {f: sha256_file(paths.ROOT / f) for f in iter_files(paths.ROOT, CODE)}
     mrel = model_rel(args.model)
     model_files = iter_files(paths.ROOT, [mrel]) if mrel else []
-    if mrel and (gone := paths.missing_shards(paths.ROOT / mrel)):
-        raise RunbookError(f"MODEL {args.model} is incomplete here: model.safetensors.index.json names "
-                           f"{', '.join(gone)}, not in the folder; fetch it again (make model ... REPLACE=1)",
-                           "sync-model")
+    if mrel:
+        paths.require_complete(paths.ROOT / mrel, args.model, "sync-model")
     for rel in [*code, *expected, *model_files]:
         if ".." in Path(rel).parts or any(c in rel for c in "\n\r\\"):
             raise RunbookError(f"{rel!r} refused: outside REMOTE_ROOT {root}, or a name with a newline or "

@@ -60,3 +60,12 @@ def missing_shards(model: Path) -> list[str]:
     except (ValueError, KeyError, TypeError, AttributeError):
         return ["model.safetensors.index.json (unreadable: no weight_map)"]
     return sorted(n for n in names if not (model / n).is_file())
+
+
+def require_complete(model: Path, name: str, anchor: str) -> None:
+    """Refuse a sharded model folder with a shard missing (sync and check-parity, before any host)."""
+    if gone := missing_shards(model):
+        from lib.log import RunbookError
+
+        raise RunbookError(f"MODEL {name} is incomplete here: model.safetensors.index.json names "
+                           f"{', '.join(gone)}, not in the folder; fetch it again (make model ... REPLACE=1)", anchor)
