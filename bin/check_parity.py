@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # Only what the probes need: every import here delays all hosts' answers.
 from lib import atomic, parity, paths  # noqa: E402
 from lib import parity_probe as local_probe  # noqa: E402
+from lib.dataset import read_manifest  # noqa: E402
 from lib.hostfile import check_path, is_local  # noqa: E402
 from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import RunbookError  # noqa: E402
@@ -89,7 +90,7 @@ def validate_inputs(args):
         args.content["model"] = (str(local), remote, ["."], args.deep)
     manifest = paths.DATASETS / args.dataset / "manifest.json"
     if args.dataset and manifest.is_file():  # exported here: the manifest and the files it names
-        files = ["manifest.json", *json.loads(manifest.read_text(encoding="utf-8")).get("files", {})]
+        files = ["manifest.json", *read_manifest(manifest.parent)["files"]]
         args.content["dataset"] = (str(manifest.parent), f"{args.root}/datasets/{args.dataset}", files, True)
     args.model_bytes = sum(p.stat().st_size for p in local.glob("*.safetensors")) if args.model_local else 0
     args.peaks, args.calibration = calibrated_peaks(args.model)

@@ -1,5 +1,6 @@
 """The one reader of an exported dataset's manifest.json (written by bin/export.py; read by
-bin/export.py and bin/sync.py). A missing or malformed manifest raises RunbookError naming the fix.
+bin/export.py, bin/sync.py and bin/check_parity.py). A missing or malformed manifest raises
+RunbookError naming the fix.
 
     m = read_manifest("datasets/sample")  # m["dataset_sha256"], m["files"]["train.jsonl"]["sha256"]
     binding(m)   # {"files": [[path, sha256], ...], "settings": {...}}: what the dataset is bound to
