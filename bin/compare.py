@@ -113,7 +113,8 @@ def run_facts(role: str, run_id: str, summary_name: str) -> dict:
     man, summary = (launch.read_json(run_dir / f) for f in ("manifest.json", summary_name))
     if not (man and summary):
         bad = run_dir / ("manifest.json" if not man else summary_name)
-        raise RunbookError(f"{paths.rel(bad)} not found or not a JSON object: {fix}", ANCHOR_MISSING)
+        what = "is not a JSON object" if bad.is_file() else "not found"
+        raise RunbookError(f"{paths.rel(bad)} {what}: {fix}", ANCHOR_MISSING)
     cfg = launch.read_json(run_dir / "adapters" / "adapter_config.json")  # the resolved config, written first
     try:
         mets = [m for m in launch.metrics(run_dir) if isinstance(m, dict)]
@@ -133,7 +134,7 @@ def run_facts(role: str, run_id: str, summary_name: str) -> dict:
         "fallback": summary.get("fallback"), "attempts": len(summary.get("attempts") or []),
         "hostfile_path": man.get("hostfile_path"), "hostfile": hostfile, "git": man.get("git") or {},
         **{k: man.get(k) for k in ("lock_sha256", "dataset", "dataset_sha256", "model", "model_sha256",
-                                   "control_run", "corpus", "corpus_sha256", "export_settings")},
+                                   "control_run")},
         "config": cfg, "seed": cfg.get("seed"), "batch_size": cfg.get("batch_size"),
         "global_batch": cfg.get("batch_size") and cfg["batch_size"] * accum,
         "adapter": paths.rel(adapter) if has_adapter else None, "best_adapter": summary.get("best_adapter"),
@@ -145,14 +146,6 @@ def run_facts(role: str, run_id: str, summary_name: str) -> dict:
 
 
 # ---- comparability ------------------------------------------------------------------------------
-def disk_dataset_sha256(dataset: str | None) -> str | None:
-    """dataset_sha256 of the split files on disk now (export's rule: digest_of their sha256)."""
-    d = paths.DATASETS / str(dataset)
-    if dataset and all((d / s).is_file() for s in SPLITS):
-        return digest_of(tree_hashes(d, list(SPLITS)))
-    return None
-
-
 def comparability(dual: dict, control: dict, disk_dataset: str | None, disk_model: str | None) -> dict:
     """What must be equal for the comparison to mean anything, each check with both values.
     problems: why it is not comparable, each naming its fix; warnings: worth a look."""
@@ -466,8 +459,11 @@ def main() -> int:
         control = run_facts("control", dual["control_run"] or f"{args.run}-control", "control.json")
     except (RunbookError, ValueError) as e:
         return die(e, 2)
+    # What is on disk now must be what the runs trained on (export's rule for dataset_sha256).
+    data = paths.DATASETS / str(dual["dataset"])
+    disk_dataset = digest_of(tree_hashes(data, SPLITS)) if all((data / s).is_file() for s in SPLITS) else None
     disk_model = launch.model_hash(dual["model"]) if Path(model_path(dual["model"] or "")).is_dir() else None
-    comp = comparability(dual, control, disk_dataset_sha256(dual["dataset"]), disk_model)
+    comp = comparability(dual, control, disk_dataset, disk_model)
     for ch in comp["checks"]:
         event("compare-check", key=ch["name"], status="same" if ch["ok"] else "DIFFERS",
               dual=json.dumps(ch["dual"]), control=json.dumps(ch["control"]))
