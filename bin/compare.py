@@ -2,30 +2,23 @@
 """compare: the dual-host run against its single-host control and the base model; the promotion report.
 
 Usage:
-    python bin/compare.py --run RUN [--control-run ID] [--tolerance 0.02] [--min-speedup 1]
-                          [--min-gain 0] [--test-batches -1] [--batch-size N]
+    python bin/compare.py --run RUN [--tolerance 0.02] [--min-speedup 1] [--min-gain 0] [--test-batches -1]
 Example (what `make compare RUN=stage1` runs):
     .venv/bin/python bin/compare.py --run stage1
 
-Reads runs/<RUN>/ and runs/<RUN>-control/. They must share dataset bytes, model, seed, global batch
-and config (else: not comparable). The base model and both adapters are evaluated on the test split
-with mlx-lm's evaluate() over the same batches (size, seeded order, prompt masking; fingerprinted).
-Writes runs/<RUN>/compare/ atomically: report.md, report.json, loss_curves.png.
-Verdict, the first that applies: the dual run's own failure category (NaN adapter: stability);
-`worse than the base model` (dual test loss not below base x (1 - MIN_GAIN), whatever the control);
-`not comparable`; `underperforms control: Thunder path` (dual loss above (1 + TOLERANCE) x control's,
-or speedup not above MIN_SPEEDUP); `pass`. Exit 0 pass, 1 a failure verdict, 2 not comparable or
-an input missing; stderr ends `see RUNBOOK.md#anchor`.
+Reads runs/<RUN>/ and its control (the manifest's control_run, else runs/<RUN>-control/), which must
+share dataset bytes, model, seed, global batch and config. The base model and both adapters are evaluated
+on the test split with mlx-lm's evaluate() over the same (fingerprinted) batches. Writes runs/<RUN>/compare/
+atomically: report.md, report.json, loss_curves.png. The verdict is decide()'s. Exit 0 pass, 1 a failure
+verdict, 2 not comparable or an input missing; stderr ends `see RUNBOOK.md#anchor`.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import math
-import re
 import shlex
 import sys
 import time
@@ -42,59 +35,43 @@ from lib.log import THUNDER as THUNDER_CATEGORY  # noqa: E402
 
 FORMAT, FORMAT_VERSION = "thunder-runbook/compare-report", 1
 DEFAULT_TOLERANCE, DEFAULT_MIN_SPEEDUP, DEFAULT_MIN_GAIN = 0.02, 1.0, 0.0
+PASS, NOT_COMPARABLE, DUAL_FAILED = "pass", "not comparable", "dual run failed"
+THUNDER = "underperforms control: Thunder path"
 WORSE = OTHER_FAILURES["worse"][0]  # anchor compare-worse-than-base
 EXACT_REL = 1e-5  # dual vs control step-1 loss with token-weighted gradients: float summation order only
-PASS, THUNDER, NOT_COMPARABLE, DUAL_FAILED = "pass", "underperforms control: Thunder path", "not comparable", \
-    "dual run failed"
 ANCHOR_NOT_COMPARABLE = "compare-not-comparable"
 ANCHOR_MISSING = "compare-missing-run"
 SPLITS = ("train.jsonl", "valid.jsonl", "test.jsonl")
 # Keys the out-of-memory ladder (lib/config.py fallback_ladder) may change keeping the global batch.
-LADDER_KEYS = {"batch_size", "grad_accumulation_steps", "steps_per_eval", "save_every", "steps_per_report", "iters"}
+LADDER_KEYS = {"batch_size", "grad_accumulation_steps", "steps_per_eval", "save_every", "steps_per_report",
+               "iters"}
 FEATURES = ("mask_prompt", "chat_feature", "prompt_feature", "completion_feature", "text_feature")
-CKPT_RE = re.compile(r"^step-(\d{7,})$")
 UNKNOWN = (None, "missing", "unknown")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="the dual run id: runs/<RUN>/")
-    p.add_argument("--control-run", help="default: the dual manifest's control_run, else <RUN>-control")
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                    help="relative test-loss tolerance of dual over control (default 0.02 = 2%%)")
     p.add_argument("--min-speedup", type=float, default=DEFAULT_MIN_SPEEDUP,
-                   help="dual must be faster than this x the control (default 1; 0 for ranks sharing a machine)")
+                   help="dual must be faster than this x the control (default 1; 0: ranks share a machine)")
     p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN,
                    help="dual test loss must be below the base model's by this fraction of it (default 0)")
-    p.add_argument("--test-batches", type=int, default=-1, help="test batches to evaluate (-1: the whole split)")
-    p.add_argument("--batch-size", type=int, help="evaluation batch (default: the runs' batch_size)")
+    p.add_argument("--test-batches", type=int, default=-1, help="test batches to score (-1: the whole split)")
     return p
 
 
+def check_args(args) -> None:
+    if not (0 <= args.tolerance < 1 and 0 <= args.min_gain < 1 and args.min_speedup >= 0):
+        raise RunbookError(f"--tolerance {args.tolerance:g} and --min-gain {args.min_gain:g} are fractions "
+                           f"of a test loss in [0, 1) (0.02: 2%); --min-speedup {args.min_speedup:g} is >= 0",
+                           "compare")
+    if args.test_batches == 0 or args.test_batches < -1:
+        raise RunbookError(f"--test-batches {args.test_batches}: use -1 (all) or a number >= 1", "compare")
+
+
 # ---- reading a run folder ----------------------------------------------------------------------
-def read_json(path: Path, fix: str) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        what = "not found" if isinstance(e, FileNotFoundError) else f"not readable JSON ({e})"
-        raise RunbookError(f"{paths.rel(path)} {what}: {fix}", ANCHOR_MISSING) from e
-    if not isinstance(data, dict):
-        raise RunbookError(f"{paths.rel(path)} is not a JSON object: {fix}", ANCHOR_MISSING)
-    return data
-
-
-def reproduce_commands(run_dir: Path) -> dict[str, dict]:
-    """{stage: {"make": line, "ran": [lines]}} from reproduce.sh (lib/launch.write_reproduce)."""
-    path, out = run_dir / "reproduce.sh", {}
-    for block in (path.read_text(encoding="utf-8") if path.is_file() else "").split("\n# --- stage: ")[1:]:
-        lines = block.splitlines()
-        cmds = [ln.strip() for ln in lines[1:] if ln.strip() and not ln.startswith("#")]
-        under = next((i for i, ln in enumerate(lines) if ln.startswith("# What it ran underneath")), len(lines))
-        out[lines[0].split(" ", 1)[0]] = {"make": cmds[0] if cmds else None,
-                                          "ran": [ln[2:] for ln in lines[under + 1:] if ln.startswith("# ")]}
-    return out
-
-
 def finite(x) -> float | None:
     """A JSON-safe number: None for missing, NaN and inf."""
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
@@ -105,11 +82,13 @@ def ppl_of(loss: float | None) -> float | None:
 
 
 def throughput(mets: list[dict]) -> dict:
-    """Steady-state tok/s: global tokens over step time of the `step` events, leaving out the first step of
-    each launch (its compile; a launch starts where wall_s goes back)."""
+    """Steady-state tok/s: global tokens over step time of the `step` events, leaving out the first step
+    of each launch (its compile; a launch starts where wall_s goes back)."""
     tokens = seconds = 0.0
     launches, last_wall, n = 0, None, 0
-    for m in (m for m in mets if m.get("kind") == "step" and finite(m.get("tokens")) and finite(m.get("step_s"))):
+    for m in mets:
+        if m.get("kind") != "step" or not (finite(m.get("tokens")) and finite(m.get("step_s"))):
+            continue
         wall = finite(m.get("wall_s"))
         if last_wall is None or (wall is not None and wall < last_wall):
             launches, last_wall = launches + 1, wall
@@ -117,105 +96,96 @@ def throughput(mets: list[dict]) -> dict:
         last_wall, tokens, seconds, n = wall or last_wall, tokens + m["tokens"], seconds + m["step_s"], n + 1
     if not (n and seconds > 0):
         return {"tok_per_s": None, "method": "no step events with tokens and step_s in metrics.jsonl"}
-    return {"tok_per_s": tokens / seconds, "method": f"step events: {int(tokens)} tokens / {seconds:.3f} s over "
-            f"{n} steps (first step of {launches} launch(es) left out: compile)"}
+    return {"tok_per_s": tokens / seconds, "method": f"step events: {int(tokens)} tokens / {seconds:.3f} s "
+            f"over {n} steps (first step of {launches} launch(es) left out: compile)"}
 
 
-def curve(mets: list[dict], kind: str, key: str = "loss") -> list[tuple[int, float]]:
-    """(step, value) of one event kind, the last event of a step winning; non-finite values dropped."""
-    return sorted({m["step"]: float(m[key]) for m in mets if m.get("kind") == kind
-                   and isinstance(m.get("step"), int) and finite(m.get(key)) is not None}.items())
+def curve(mets: list[dict], kind: str) -> list[tuple[int, float]]:
+    """(step, loss) of one event kind, the last event of a step winning; non-finite losses dropped."""
+    return sorted({m["step"]: float(m["loss"]) for m in mets if m.get("kind") == kind
+                   and isinstance(m.get("step"), int) and finite(m.get("loss")) is not None}.items())
 
 
 def run_facts(role: str, run_id: str, summary_name: str) -> dict:
     """Everything compare needs from one run folder (raises RunbookError naming the fix)."""
     run_dir = paths.RUNS / paths.check_run_id(run_id)
     fix = f"run `make {'train' if role == 'dual' else 'control'} RUN={run_id.removesuffix('-control')}` first"
-    if not run_dir.is_dir():
-        raise RunbookError(f"run folder {paths.rel(run_dir)} not found: {fix}", ANCHOR_MISSING)
-    man, summary = read_json(run_dir / "manifest.json", fix), read_json(run_dir / summary_name, fix)
-    ac = run_dir / "adapters" / "adapter_config.json"  # the resolved config, written first by the trainer
+    man, summary = (launch.read_json(run_dir / f) for f in ("manifest.json", summary_name))
+    if not (man and summary):
+        bad = run_dir / ("manifest.json" if not man else summary_name)
+        what = "is not a JSON object" if bad.is_file() else "not found"
+        raise RunbookError(f"{paths.rel(bad)} {what}: {fix}", ANCHOR_MISSING)
+    cfg = launch.read_json(run_dir / "adapters" / "adapter_config.json")  # the resolved config, written first
     try:
-        cfg = json.loads(ac.read_text(encoding="utf-8")) if ac.is_file() else {}
         mets = [m for m in launch.metrics(run_dir) if isinstance(m, dict)]
     except ValueError as e:
-        raise RunbookError(f"{paths.rel(run_dir)}: {e}: re-run its stage", ANCHOR_MISSING) from e
+        raise RunbookError(f"{e}: re-run its stage", ANCHOR_MISSING) from e
     adapter = paths.ROOT / summary["adapter"] if summary.get("adapter") else run_dir / "adapters"
-    trains, tests, tp = [m for m in mets if m.get("kind") == "train"], curve(mets, "test"), throughput(mets)
+    has_adapter = all((adapter / f).is_file() for f in ("adapters.safetensors", "adapter_config.json"))
     hostfile = man.get("hostfile") if isinstance(man.get("hostfile"), dict) else {}
     hosts = [h.get("ssh") for h in hostfile.get("hosts", [])]
-    world, accum = summary.get("world_size") or man.get("world_size") or len(hosts), cfg.get("grad_accumulation_steps")
-    peak = [m["peak_mem_gb"] for m in mets if finite(m.get("peak_mem_gb")) is not None]
+    world, tp = summary.get("world_size") or man.get("world_size") or len(hosts), throughput(mets)
+    accum = cfg.get("grad_accumulation_steps") or 1
+    repro = run_dir / "reproduce.sh"  # its sections by stage (lib/launch.write_reproduce)
+    sections = repro.read_text(encoding="utf-8").split("\n# --- stage: ")[1:] if repro.is_file() else []
     return {
-        "role": role, "run": run_id, "dir": paths.rel(run_dir), "stage": summary_name.removesuffix(".json"),
-        "ok": bool(summary.get("ok")), "category": summary.get("category"), "why": summary.get("why") or "",
+        "role": role, "run": run_id, "ok": bool(summary.get("ok")), "category": summary.get("category"),
+        "why": summary.get("why") or "", "world_size": int(world) if world else None, "hosts": hosts,
         "fallback": summary.get("fallback"), "attempts": len(summary.get("attempts") or []),
-        "world_size": int(world) if world else None, "hosts": hosts, "hostfile_path": man.get("hostfile_path"),
-        "hostfile": hostfile, "git": man.get("git") or {}, **{k: man.get(k) for k in (
-            "lock_sha256", "dataset", "dataset_sha256", "model", "model_sha256", "control_of", "control_run",
-            "corpus", "corpus_sha256", "export_settings")},
-        "config": cfg, "config_source": paths.rel(ac) if cfg else "none", "seed": cfg.get("seed"),
-        "batch_size": cfg.get("batch_size"), "grad_accumulation_steps": int(accum or 1),
-        "global_batch": int(cfg["batch_size"]) * int(accum or 1) if cfg.get("batch_size") else None,
-        "adapter": paths.rel(adapter) if all((adapter / f).is_file() for f in (
-            "adapters.safetensors", "adapter_config.json")) else None, "best_adapter": summary.get("best_adapter"),
+        "hostfile_path": man.get("hostfile_path"), "hostfile": hostfile, "git": man.get("git") or {},
+        **{k: man.get(k) for k in ("lock_sha256", "dataset", "dataset_sha256", "model", "model_sha256",
+                                   "control_run")},
+        "config": cfg, "seed": cfg.get("seed"), "batch_size": cfg.get("batch_size"),
+        "global_batch": cfg.get("batch_size") and cfg["batch_size"] * accum,
+        "adapter": paths.rel(adapter) if has_adapter else None, "best_adapter": summary.get("best_adapter"),
+        "final_step": summary.get("final_step"), "stage_wall_s": finite(summary.get("wall_s")),
         "metrics": mets, "tok_per_s": finite(tp["tok_per_s"]), "tok_per_s_method": tp["method"],
-        "final_step": summary.get("final_step") or (trains[-1]["step"] if trains else None),
-        "trained_tokens": trains[-1].get("trained_tokens") if trains else None,
-        "peak_mem_gb": max(peak) if peak else None, "stage_wall_s": finite(summary.get("wall_s")),
-        "total_wall_s": finite(summary.get("total_wall_s")), "train_wall_s": finite(next(
-            (m.get("train_wall_s") for m in reversed(mets) if m.get("kind") == "done"), None)),
-        "checkpoints_written": sum(1 for m in mets if m.get("kind") == "checkpoint"),
-        "checkpoints_kept": [p.name for p in sorted((run_dir / "checkpoints").glob("step-*")) if CKPT_RE.match(p.name)],
-        "trainer_test_loss": finite(summary.get("test_loss")) or (tests[-1][1] if tests else None),
-        "reproduce": reproduce_commands(run_dir),
+        "checkpoints_written": sum(m.get("kind") == "checkpoint" for m in mets),
+        "reproduce": {b.split(" ", 1)[0]: "# --- stage: " + b.strip() for b in sections},
     }
 
 
 # ---- comparability ------------------------------------------------------------------------------
-def disk_dataset_sha256(dataset: str | None) -> str | None:
-    """dataset_sha256 of the split files on disk now (export's rule: digest_of their sha256)."""
-    d = paths.DATASETS / str(dataset)
-    return digest_of(tree_hashes(d, list(SPLITS))) if dataset and all((d / s).is_file() for s in SPLITS) else None
-
-
 def comparability(dual: dict, control: dict, disk_dataset: str | None, disk_model: str | None) -> dict:
     """What must be equal for the comparison to mean anything, each check with both values.
     problems: why it is not comparable, each naming its fix; warnings: worth a look."""
-    run, dcfg, ccfg, ds = dual["run"], dual["config"], control["config"], dual["dataset"]
+    run, dcfg, ccfg = dual["run"], dual["config"], control["config"]
+    ds, dsha, msha = dual["dataset"], dual["dataset_sha256"], str(dual["model_sha256"])
     keys = (set(CONFIG_DEFAULTS) - RESUMABLE - LADDER_KEYS - {"seed"}) & (set(dcfg) | set(ccfg))
     differ = sorted(k for k in keys if dcfg.get(k) != ccfg.get(k))
+    named = (("dataset_sha256", "DATASET", "dataset"), ("model_sha256", "MODEL", "model"),
+             ("seed", "SEED", "seed"))
     checks = [(k, dual[k], control[k], f"re-run the control with the dual run's {k.split('_')[0]}: "
-               f"`make control RUN={run} {var}={dual[src]}`") for k, var, src in (
-        ("dataset_sha256", "DATASET", "dataset"), ("model_sha256", "MODEL", "model"), ("seed", "SEED", "seed"))]
-    checks += [("global_batch", dual["global_batch"], control["global_batch"], "batch_size is the global batch: "
-                f"train both with the same CONFIG (the dual run's batch_size {dual['batch_size']})"),
-               ("config", {k: dcfg.get(k) for k in differ}, {k: ccfg.get(k) for k in differ}, "")]
+               f"`make control RUN={run} {var}={dual[src]}`") for k, var, src in named]
+    checks += [("global_batch", dual["global_batch"], control["global_batch"], "batch_size is the global "
+                f"batch: train both with the same CONFIG (the dual run's batch_size {dual['batch_size']})"),
+               ("config", {k: dcfg.get(k) for k in differ}, {k: ccfg.get(k) for k in differ}, None)]
     out = {"checks": [], "problems": [], "warnings": []}
     for name, a, b, fix in checks:
-        out["checks"].append({"name": name, "dual": a, "control": b, "ok": a == b and (fix == "" or a not in UNKNOWN)})
-        if not out["checks"][-1]["ok"]:
+        ok = a == b and (fix is None or a not in UNKNOWN)
+        out["checks"].append({"name": name, "dual": a, "control": b, "ok": ok})
+        if not ok:
             out["problems"].append(f"{name} differs: dual {a!r}, control {b!r}: {fix}" if fix else
-                                   f"the runs' configs differ in {', '.join(differ)}: train the control with the dual "
-                                   f"run's config (`make control RUN={run} CONFIG=<the dual run's CONFIG>`)")
+                                   f"the runs' configs differ in {', '.join(differ)}: train the control with "
+                                   f"the dual run's config (`make control RUN={run} CONFIG=<its CONFIG>`)")
     if disk_dataset is None:
         out["problems"].append(f"datasets/{ds}/ has no {', '.join(SPLITS)} to evaluate on: "
                                f"`make export DATASET={ds}` or `make sync` it back")
-    elif dual["dataset_sha256"] not in UNKNOWN and disk_dataset != dual["dataset_sha256"]:
-        out["problems"].append(f"datasets/{ds}/ on disk ({disk_dataset[:12]}) is not the data the runs trained on "
-                               f"({dual['dataset_sha256'][:12]}): restore that export or re-run train and control")
-    if disk_model and not str(dual["model_sha256"]).startswith("hub:") and disk_model != dual["model_sha256"]:
-        out["problems"].append(f"the model {dual['model']} on disk ({disk_model[:12]}) is not the one the runs "
-                               f"trained ({str(dual['model_sha256'])[:12]}): restore it, or re-run train and control")
-    notes = [(control["control_of"] not in (None, run), f"{control['run']} is the control of {control['control_of']!r}"),
-             ((control["world_size"] or 1) != 1, f"the control ran with world size {control['world_size']}, not 1"),
-             (dual["git"].get("commit") != control["git"].get("commit"), "the runs ran different code commits")]
-    notes += [(bool(r["git"].get("dirty")), f"{r['run']} ran from a dirty tree: its reproduction is not exact")
-              for r in (dual, control)]
-    notes += [(bool(r.get("fallback")), f"{r['run']} lost {(r.get('fallback') or {}).get('lost')} and finished on "
-               f"{(r.get('fallback') or {}).get('hosts')} (FALLBACK=1): not the dual-host result") for r in (dual, control)]
-    notes += [(bool(r.get("attempts")), f"{r['run']} restarted {r.get('attempts')} time(s) (RESTARTS)") for r in (dual, control)]
-    out["warnings"] = [text for cond, text in notes if cond]
+    elif dsha not in UNKNOWN and disk_dataset != dsha:
+        out["problems"].append(f"datasets/{ds}/ on disk ({disk_dataset[:12]}) is not the data the runs "
+                               f"trained on ({dsha[:12]}): restore that export or re-run train and control")
+    if disk_model and not msha.startswith("hub:") and disk_model != msha:
+        out["problems"].append(f"the model {dual['model']} on disk ({disk_model[:12]}) is not the one the "
+                               f"runs trained ({msha[:12]}): restore it, or re-run train and control")
+    if dual["git"].get("commit") != control["git"].get("commit"):
+        out["warnings"].append("the runs ran different code commits")
+    for r in (dual, control):
+        fb = r.get("fallback") or {}
+        out["warnings"] += [text for cond, text in (
+            (r["git"].get("dirty"), f"{r['run']} ran from a dirty tree: its reproduction is not exact"),
+            (fb, f"{r['run']} lost {fb.get('lost')} and finished on {fb.get('hosts')} (FALLBACK=1): "
+             "not the dual-host result"),
+            (r.get("attempts"), f"{r['run']} restarted {r.get('attempts')} time(s) (RESTARTS)")) if cond]
     out["ok"] = not out["problems"]
     return out
 
@@ -223,22 +193,25 @@ def comparability(dual: dict, control: dict, disk_dataset: str | None, disk_mode
 # ---- the verdict --------------------------------------------------------------------------------
 def decide(dual: dict, control: dict, losses: dict, problems: list[str], tolerance: float,
            min_speedup: float = DEFAULT_MIN_SPEEDUP, min_gain: float = DEFAULT_MIN_GAIN) -> dict:
-    """The verdict from facts only: dual/control carry ok, category, why, tok_per_s, world_size, run; losses
-    the test loss of "base", "control", "dual" (None: not evaluated). No "base" key: no base check asked for."""
-    v = dict(verdict=PASS, ok=True, category=None, anchor=None, reasons=[], exit_code=0, loss_ok=None, faster=None,
-             beats_base=None, base_gain=None, relative_loss_diff=None, speedup=None, scaling_efficiency=None)
+    """The verdict from facts: dual/control carry ok, category, why, tok_per_s, world_size, run; losses
+    the test loss of "base", "control", "dual" (None: not evaluated; no "base" key: no base check).
+    The first that applies: the dual run's own failure (a NaN adapter: stability); `worse than the base
+    model` (dual loss not below base x (1 - min_gain), whatever the control); `not comparable`;
+    `underperforms control: Thunder path` (step-1 loss off the control's beyond float error under
+    token-weighted gradients, loss above (1 + tolerance) x control's, speedup not above min_speedup)."""
     dt, ct = dual.get("tok_per_s"), control.get("tok_per_s")
     dl, cl, bl = (losses.get(k) for k in ("dual", "control", "base"))
-    if dt and ct:
-        v["speedup"] = dt / ct
-        v["scaling_efficiency"] = v["speedup"] * (control.get("world_size") or 1) / (dual.get("world_size") or 1)
-    if finite(dl) is not None and (finite(cl) or 0) > 0:
-        v["relative_loss_diff"] = (dl - cl) / cl
-    if finite(dl) is not None and (finite(bl) or 0) > 0:
-        v["base_gain"] = (bl - dl) / bl
+    speedup = dt / ct if dt and ct else None
+    world_ratio = (dual.get("world_size") or 1) / (control.get("world_size") or 1)
+    v = dict(verdict=PASS, ok=True, category=None, anchor=None, reasons=[], exit_code=0, loss_ok=None,
+             faster=None, beats_base=None, exact=None, speedup=speedup,
+             scaling_efficiency=speedup and speedup / world_ratio,
+             relative_loss_diff=(dl - cl) / cl if finite(dl) is not None and (finite(cl) or 0) > 0 else None,
+             base_gain=(bl - dl) / bl if finite(dl) is not None and (finite(bl) or 0) > 0 else None)
 
     def fail(verdict, category, reason, code=1, anchor=None):
-        v.update(verdict=verdict, ok=False, category=category, anchor=anchor or anchor_of(category), exit_code=code)
+        v.update(verdict=verdict, ok=False, category=category, anchor=anchor or anchor_of(category),
+                 exit_code=code)
         v["reasons"].append(reason)
         return v
 
@@ -246,26 +219,29 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
         cat, why = dual.get("category"), dual.get("why") or "no reason recorded"
         if cat in CATEGORIES:
             return fail(cat, cat, f"the dual run failed: {why}")
-        return fail(DUAL_FAILED, None, f"the dual run failed without a category: {why}", anchor=ANCHOR_MISSING)
+        return fail(DUAL_FAILED, None, f"the dual run failed without a category: {why}", 1, ANCHOR_MISSING)
     if dl is not None and finite(dl) is None:
-        return fail(STABILITY, STABILITY, f"the dual adapter's test loss is {dl}: the adapter weights are not finite")
+        return fail(STABILITY, STABILITY, f"the dual adapter's test loss is {dl}: its weights are not finite")
     if "base" in losses and finite(bl) is None:
         problems = problems + [f"the base model's test loss is {bl}: check the model folder"]
     elif finite(bl) is not None and finite(dl) is not None:
         v["beats_base"] = dl < bl * (1 - min_gain)
     if v["beats_base"] is False:
-        return fail(WORSE, WORSE, f"the dual adapter's test loss {dl:.4f} is not below the base model's {bl:.4f} by "
-                    f"{100 * min_gain:g}% or more (the control's: {fmt(finite(cl))}): training made the model worse; "
-                    "check learning_rate, iters, the data and mask_prompt")
+        return fail(WORSE, WORSE, f"the dual adapter's test loss {dl:.4f} is not below the base model's "
+                    f"{bl:.4f} by {100 * min_gain:g}% or more (the control's: {fmt(finite(cl))}): training "
+                    "made the model worse; check learning_rate, iters, the data and mask_prompt")
     if not control.get("ok"):
         problems = problems + [f"the control run failed ({control.get('category') or 'no category'}: "
-                               f"{control.get('why') or 'no reason recorded'}): fix it and re-run `make control`"]
-    missing = [f"the {k} adapter's test loss is {losses.get(k)}" for k in ("dual", "control") if finite(losses.get(k)) is None]
+                               f"{control.get('why') or 'no reason recorded'}): fix it and re-run "
+                               "`make control`"]
+    missing = [f"the {k} adapter's test loss is {losses.get(k)}" for k in ("dual", "control")
+               if finite(losses.get(k)) is None]
     slow = [r["run"] for r in (dual, control) if not r.get("tok_per_s")]
     if not problems and missing:
-        problems = [f"{' and '.join(missing)}: no adapters/adapters.safetensors or bad weights; re-run its stage"]
-    if not problems and slow:
-        problems = [f"no throughput in metrics.jsonl of {' and '.join(slow)}: re-run that stage with this trainer"]
+        problems = [f"{' and '.join(missing)}: no adapters/adapters.safetensors or bad weights; "
+                    "re-run its stage"]
+    elif not problems and slow:
+        problems = [f"no throughput in metrics.jsonl of {' and '.join(slow)}: re-run that stage"]
     if problems:
         v["reasons"] += problems[:-1]
         return fail(NOT_COMPARABLE, None, problems[-1], code=2, anchor=ANCHOR_NOT_COMPARABLE)
@@ -273,17 +249,18 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
     if v["exact"] and not v["exact"]["ok"]:
         return fail(THUNDER, THUNDER_CATEGORY, v["exact"]["why"])
     rel, need = v["relative_loss_diff"], f", required > {min_speedup:g}x" if min_speedup != 1 else ""
-    v["loss_ok"], v["faster"] = rel <= tolerance + 1e-12, v["speedup"] > min_speedup  # at the tolerance: within
+    v["loss_ok"], v["faster"] = rel <= tolerance + 1e-12, speedup > min_speedup  # at the tolerance: within
     if not v["loss_ok"]:
-        v["reasons"].append(f"the dual test loss {dl:.4f} is {100 * rel:+.2f}% against the control's {cl:.4f} "
-                            f"(tolerance {100 * tolerance:g}%)")
+        v["reasons"].append(f"the dual test loss {dl:.4f} is {100 * rel:+.2f}% against the control's "
+                            f"{cl:.4f} (tolerance {100 * tolerance:g}%)")
     if not v["faster"]:
-        v["reasons"].append(f"the dual run was not faster: {dt:.1f} vs {ct:.1f} tok/s (speedup {v['speedup']:.2f}x{need})")
+        v["reasons"].append(f"the dual run was not faster: {dt:.1f} vs {ct:.1f} tok/s "
+                            f"(speedup {speedup:.2f}x{need})")
     if v["reasons"]:
         return fail(THUNDER, THUNDER_CATEGORY, v["reasons"].pop())
-    gain = f", {100 * v['base_gain']:.2f}% below the base model's {bl:.4f}" if v["base_gain"] is not None else ""
+    gain = "" if v["base_gain"] is None else f", {100 * v['base_gain']:.2f}% below the base model's {bl:.4f}"
     v["reasons"].append(f"dual test loss {dl:.4f} vs control {cl:.4f} ({100 * rel:+.2f}%, tolerance "
-                        f"{100 * tolerance:g}%){gain}, speedup {v['speedup']:.2f}x{need}")
+                        f"{100 * tolerance:g}%){gain}, speedup {speedup:.2f}x{need}")
     if rel < -tolerance:
         v["reasons"].append(f"note: the dual loss is better than the control's by more than the tolerance "
                             f"({100 * rel:+.2f}%): check both ran the same config")
@@ -301,7 +278,8 @@ def exactness(dual: dict, control: dict) -> dict | None:
     d, c = (dict(curve(r.get("metrics") or [], "step")) for r in (dual, control))
     common = sorted(set(d) & set(c))
     if 1 not in common:
-        return {"ok": False, "why": "no step-1 loss in both runs' metrics.jsonl to prove dual = control: re-run them"}
+        return {"ok": False, "why": "no step-1 loss in both runs' metrics.jsonl to prove dual = control: "
+                "re-run them"}
     rel = {k: abs(d[k] - c[k]) / max(abs(c[k]), 1e-12) for k in common}
     ok = rel[1] <= EXACT_REL
     why = (f"step-1 loss dual {d[1]:.9g} vs control {c[1]:.9g}: relative {rel[1]:.2e} "
@@ -319,10 +297,10 @@ def model_path(model: str) -> str:
 
 
 def evaluate_models(model: str, adapters: dict[str, str | None], data_dir: Path, cfg: dict,
-                    batch_size: int, test_batches: int, seed: int) -> dict:
-    """Test loss of the base model and each adapter (mlx_lm.utils.load with adapter_path: a fresh model each)
-    over one tokenized test set, with the run's prompt masking and the same seeded batches; a fingerprint
-    of every batch (tokens, offsets, lengths) shows that all of them saw the same batches."""
+                    test_batches: int) -> dict:
+    """Test loss of the base model and each adapter (mlx_lm.utils.load with adapter_path: a fresh model
+    each) over one tokenized test set, with the run's batch size, prompt masking and seeded batch order;
+    a fingerprint of every batch (tokens, lengths) proves that all of them saw the same batches."""
     from functools import partial
     from types import SimpleNamespace
 
@@ -335,15 +313,16 @@ def evaluate_models(model: str, adapters: dict[str, str | None], data_dir: Path,
     if not (records := list(jsonl.read(data_dir / "test.jsonl"))):
         raise RunbookError(f"{paths.rel(data_dir)}/test.jsonl is empty: re-export with a test split",
                            ANCHOR_NOT_COMPARABLE)
-    max_seq = int(cfg.get("max_seq_length") or CONFIG_DEFAULTS["max_seq_length"])
-    out = {"records": len(records), "batch_size": min(batch_size, len(records)), "max_seq_length": max_seq,
-           "seed": seed, "test_batches": test_batches, "models": {}}
+    max_seq, seed = int(cfg.get("max_seq_length") or CONFIG_DEFAULTS["max_seq_length"]), int(cfg["seed"])
+    out = {"records": len(records), "batch_size": min(int(cfg["batch_size"]), len(records)),
+           "max_seq_length": max_seq, "seed": seed, "test_batches": test_batches, "models": {}}
     test_set, tic = None, time.monotonic()
     for name, adapter in [("base", None), *((k, a) for k, a in adapters.items() if a)]:
         mdl, tokenizer = load(model_path(model), adapter_path=str(paths.ROOT / adapter) if adapter else None)
         if test_set is None:
             feats = SimpleNamespace(**{k: cfg.get(k, CONFIG_DEFAULTS[k]) for k in FEATURES})
-            test_set, out["load_s"] = CacheDataset(create_dataset(records, tokenizer, feats)), round(time.monotonic() - tic, 3)
+            test_set = CacheDataset(create_dataset(records, tokenizer, feats))
+            out["load_s"] = round(time.monotonic() - tic, 3)
         h, ntoks, tic = hashlib.sha256(), [], time.monotonic()
 
         def loss(m, batch, lengths, h=h, ntoks=ntoks):
@@ -352,87 +331,85 @@ def evaluate_models(model: str, adapters: dict[str, str | None], data_dir: Path,
             return ce_n
 
         value = evaluate(model=mdl, dataset=test_set, batch_size=out["batch_size"], num_batches=test_batches,
-                         max_seq_length=max_seq, loss=loss, iterate_batches=partial(iterate_batches, seed=seed))
-        row = out["models"][name] = {"loss": value, "batches": len(ntoks), "tokens": int(sum(n.item() for n in ntoks)),
-                                     "batches_sha256": h.hexdigest(), "wall_s": round(time.monotonic() - tic, 3)}
-        event("compare-eval", model=name, test_loss=value, ppl=ppl_of(value) or math.nan, batches=row["batches"],
-              tokens=row["tokens"], wall_s=row["wall_s"])
+                         max_seq_length=max_seq, loss=loss,
+                         iterate_batches=partial(iterate_batches, seed=seed))
+        row = out["models"][name] = {"loss": value, "batches": len(ntoks), "batches_sha256": h.hexdigest(),
+                                     "tokens": int(sum(n.item() for n in ntoks)),
+                                     "wall_s": round(time.monotonic() - tic, 3)}
+        event("compare-eval", model=name, test_loss=value, ppl=ppl_of(value) or math.nan,
+              batches=row["batches"], tokens=row["tokens"], wall_s=row["wall_s"])
+    if len({m["batches_sha256"] for m in out["models"].values()}) != 1:
+        raise RunbookError("the three models did not see the same test batches: a bug in compare; report it",
+                           ANCHOR_NOT_COMPARABLE)
     base = out["models"]["base"]
-    return {**out, "batches": base["batches"], "tokens": base["tokens"], "peak_mem_gb": round(mx.get_peak_memory() / 1e9, 3),
-            "same_batches": len({m["batches_sha256"] for m in out["models"].values()}) == 1}
+    return {**out, "batches": base["batches"], "tokens": base["tokens"], "same_batches": True,
+            "peak_mem_gb": round(mx.get_peak_memory() / 1e9, 3)}
 
 
-def plot_curves(dual: dict, control: dict, losses: dict, verdict: str) -> bytes:
+def plot_curves(path: Path, dual: dict, control: dict, losses: dict, verdict: str) -> None:
     """Train (solid) and validation (dashed) loss of both runs, each adapter's test loss a star, the base
-    model's a dotted line; tok/s per step below. The control is drawn wide and pale under the dual run."""
+    model's a dotted line. The control is drawn wide and pale under the dual run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.2]})
-    for r, st in ((control, dict(color="tab:orange", lw=4, alpha=0.55)), (dual, dict(color="tab:blue", lw=1.6))):
-        name, mets, test = f"{r['role']} {r['run']} (world {r['world_size']})", r["metrics"], losses.get(r["role"])
-        for pts, extra in ((curve(mets, "step") or curve(mets, "train"), {"label": f"{name}: train"}),
-                           (curve(mets, "val"), {"ls": "--", "marker": "o", "label": f"{name}: validation"}),
-                           (curve(mets, "step", "tok_per_s"), {"label": f"{r['role']} tok/s", "marker": "."})):
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for r, style in ((control, dict(color="tab:orange", lw=4, alpha=0.55)), (dual, dict(color="tab:blue"))):
+        name, mets = f"{r['role']} {r['run']} (world {r['world_size']})", r["metrics"]
+        for pts, extra in ((curve(mets, "step"), {"label": f"{name}: train"}),
+                           (curve(mets, "val"), {"ls": "--", "marker": "o", "label": f"{name}: validation"})):
             if pts:
-                (ax2 if extra["label"].endswith("tok/s") else ax).plot(*zip(*pts, strict=True), **st, **extra)
-        if finite(test) is not None and r["final_step"] is not None:
-            ax.plot([r["final_step"]], [test], color=st["color"], marker="*", ms=14, ls="none",
+                ax.plot(*zip(*pts, strict=True), **style, **extra)
+        if finite(test := losses.get(r["role"])) is not None and r["final_step"] is not None:
+            ax.plot([r["final_step"]], [test], color=style["color"], marker="*", ms=14, ls="none",
                     label=f"{r['role']} adapter test loss {test:.4f}")
-    if finite(losses.get("base")) is not None:
-        ax.axhline(losses["base"], color="gray", ls=":", lw=1.5, label=f"base model test loss {losses['base']:.4f}")
-    ax.set(ylabel="loss (cross-entropy per token)", title=f"{dual['run']} (dual) vs {control['run']} (control): {verdict}")
-    ax2.set(xlabel="step (the same global batch in both runs)", ylabel="tok/s (whole group)")
-    for a in (ax, ax2):
-        a.grid(alpha=0.3)
-        a.legend(fontsize=8)
-    buf = io.BytesIO()
+    if finite(base := losses.get("base")) is not None:
+        ax.axhline(base, color="gray", ls=":", lw=1.5, label=f"base model test loss {base:.4f}")
+    ax.set(xlabel="step (the same global batch in both runs)", ylabel="loss (cross-entropy per token)",
+           title=f"{dual['run']} (dual) vs {control['run']} (control): {verdict}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(path, format="png", dpi=110)
     plt.close(fig)
-    return buf.getvalue()
 
 
 # ---- the report -----------------------------------------------------------------------------------
-def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v: dict) -> dict:
-    models = (ev or {}).get("models", {})
-    rows = {name: {**models.get(name, {}), "evaluated": name in models, "loss": finite(models.get(name, {}).get("loss")),
-                   "ppl": ppl_of(models.get(name, {}).get("loss")), "adapter": r and r["adapter"]}
-            for name, r in (("base", None), ("control", control), ("dual", dual))}
-    out = paths.rel(paths.RUNS / args.run / "compare")
-    return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "run": dual["run"], "control_run": control["run"], **{k: v[k] for k in (
-            "verdict", "ok", "category", "anchor", "reasons", "exit_code")},
-        "tolerance": args.tolerance, "min_speedup": args.min_speedup, "min_gain": args.min_gain,
-        "loss": {**{k: rows[k]["loss"] for k in rows}, "relative_diff": finite(v["relative_loss_diff"]),
-                 "within_tolerance": v["loss_ok"], "base_gain": finite(v["base_gain"]), "beats_base": v["beats_base"],
-                 "exact": v.get("exact")},
-        "throughput": {"dual_tok_per_s": dual["tok_per_s"], "control_tok_per_s": control["tok_per_s"],
-                       "speedup": finite(v["speedup"]), "world_size_ratio": (dual["world_size"] or 1) / (control[
-                           "world_size"] or 1), "scaling_efficiency": finite(v["scaling_efficiency"]), "faster": v["faster"]},
-        "comparable": comp,
-        "provenance": {**{k: dual[k] for k in ("dataset", "dataset_sha256", "model", "model_sha256")},
-                       **{k: {r["role"]: r[k] for r in (dual, control)} for k in ("git", "lock_sha256")},
-                       "hostfile": {r["role"]: {"path": r["hostfile_path"], "hosts": r["hostfile"]} for r in (dual, control)}},
-        "export": {"lines": launch.export_section(dual["dataset"]) if dual["dataset"] else [],
-                   **{k: dual[k] for k in ("corpus", "corpus_sha256", "export_settings")}},
-        "evaluation": ev and {**{k: x for k, x in ev.items() if k != "models"}, "models": rows,
-                              "split": f"datasets/{dual['dataset']}/test.jsonl"},
-        "runs": {r["role"]: {k: x for k, x in r.items() if k not in ("metrics", "config", "hostfile")}
-                 for r in (dual, control)},
-        "reproduce_compare": shlex.join(compare_make_cmd(args)),
-        "artifacts": {k: f"{out}/{f}" for k, f in (("report_md", "report.md"), ("report_json", "report.json"),
-                                                   ("loss_curves_png", "loss_curves.png"))},
-    }
-
-
 def compare_make_cmd(args) -> list[str]:
-    flags = (("TOLERANCE", args.tolerance, DEFAULT_TOLERANCE), ("MIN_SPEEDUP", args.min_speedup, DEFAULT_MIN_SPEEDUP),
+    flags = (("TOLERANCE", args.tolerance, DEFAULT_TOLERANCE),
+             ("MIN_SPEEDUP", args.min_speedup, DEFAULT_MIN_SPEEDUP),
              ("MIN_GAIN", args.min_gain, DEFAULT_MIN_GAIN), ("TEST_BATCHES", args.test_batches, -1))
     return ["make", "compare", f"RUN={args.run}"] + [f"{k}={x:g}" for k, x, default in flags if x != default]
+
+
+def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v: dict) -> dict:
+    """report.json: the verdict, base / control / dual losses, speed, comparability and both runs' facts."""
+    models = (ev or {}).get("models", {})
+    rows = {name: {**models.get(name, {}), "evaluated": name in models, "adapter": r and r["adapter"],
+                   "loss": finite(models.get(name, {}).get("loss")),
+                   "ppl": ppl_of(models.get(name, {}).get("loss"))}
+            for name, r in (("base", None), ("control", control), ("dual", dual))}
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "run": dual["run"], "control_run": control["run"],
+        **{k: v[k] for k in ("verdict", "ok", "category", "anchor", "reasons", "exit_code")},
+        "tolerance": args.tolerance, "min_speedup": args.min_speedup, "min_gain": args.min_gain,
+        "loss": {**{k: rows[k]["loss"] for k in rows}, "relative_diff": finite(v["relative_loss_diff"]),
+                 "within_tolerance": v["loss_ok"], "base_gain": finite(v["base_gain"]),
+                 "beats_base": v["beats_base"], "exact": v["exact"]},
+        "throughput": {"dual_tok_per_s": dual["tok_per_s"], "control_tok_per_s": control["tok_per_s"],
+                       "speedup": finite(v["speedup"]), "scaling_efficiency": finite(v["scaling_efficiency"]),
+                       "world_size_ratio": (dual["world_size"] or 1) / (control["world_size"] or 1),
+                       "faster": v["faster"]},
+        "comparable": comp,
+        "export": {"lines": launch.export_section(dual["dataset"]) if dual["dataset"] else []},
+        "evaluation": ev and {**{k: x for k, x in ev.items() if k != "models"}, "models": rows,
+                              "split": f"datasets/{dual['dataset']}/test.jsonl"},
+        "runs": {r["role"]: {k: x for k, x in r.items() if k not in ("metrics", "config")}
+                 for r in (dual, control)},
+        "reproduce_compare": shlex.join(compare_make_cmd(args)),
+    }
 
 
 def fmt(x, spec: str = ".4f") -> str:
@@ -440,109 +417,80 @@ def fmt(x, spec: str = ".4f") -> str:
 
 
 def render_md(rep: dict) -> str:
-    """The promotion report: verdict, how to reproduce it (data first), base / control / dual, provenance."""
-    d, c, lo, tp, ev, ex = (rep[k] for k in ("runs", "runs", "loss", "throughput", "evaluation", "export"))
-    d, c = d["dual"], c["control"]
-    see = f" (category: {rep['category']}; see RUNBOOK.md#{rep['anchor']})" if rep["category"] else \
-        f" (see RUNBOOK.md#{rep['anchor']})" if rep["anchor"] else ""
-    L = [f"# Promotion report: `{rep['run']}` vs control `{rep['control_run']}`", "", f"**Verdict: {rep['verdict']}**{see}",
-         "", *[f"- {r}" for r in rep["reasons"]], "", "## Reproduce", "",
-         "From the repo root on Mac1: the export that made the dataset, then each stage.", "", "```bash", *ex["lines"]]
-    stages = [x for r in (d, c) for st, x in r["reproduce"].items() if st not in ("export", "compare")]
-    L += list(dict.fromkeys(x["make"] for x in stages if x["make"])) + [rep["reproduce_compare"], "```", "",
-                                                                        "What those ran underneath:", "", "```bash"]
-    L += list(dict.fromkeys(line for x in stages for line in x["ran"])) + ["```", ""]
-    m = (ev or {}).get("models", {})
-    L += ["## Metrics", "", f"Test split `{ev['split']}`: {ev['records']} records, {ev['batches']} batches of "
-          f"{ev['batch_size']}, {ev['tokens']} target tokens, seed {ev['seed']}; the same batches for all three "
-          f"models: {'yes' if ev['same_batches'] else 'NO'}." if ev else "Not evaluated (see the verdict).", "",
-          "| model | test loss | test ppl | vs base | train tok/s | adapter |", "| --- | --- | --- | --- | --- | --- |"]
-    for name, r in (("base", None), ("control", c), ("dual", d)):
-        x, gain = m.get(name, {}), None
-        if x.get("loss") is not None and lo["base"]:
-            gain = 100 * (x["loss"] - lo["base"]) / lo["base"]
-        L.append(f"| {name} | {fmt(x.get('loss'))} | {fmt(x.get('ppl'), '.2f')} | {fmt(gain, '+.2f')}% | "
-                 f"{fmt(r and r['tok_per_s'], '.1f')} | {fmt(x.get('adapter'), '')} |")
-    L += ["", f"- Speedup (steady-state tok/s): **{fmt(tp['speedup'], '.2f')}x** (required > {rep['min_speedup']:g}x); "
-          f"scaling efficiency (speedup / {tp['world_size_ratio']:g}): **{fmt(tp['scaling_efficiency'], '.2f')}**.",
-          f"- Dual vs control test loss: {fmt(lo['relative_diff'] and 100 * lo['relative_diff'], '+.2f')}% (tolerance "
-          f"{100 * rep['tolerance']:g}%); dual vs base: {fmt(lo['base_gain'] and -100 * lo['base_gain'], '+.2f')}% "
-          f"(MIN_GAIN {100 * rep['min_gain']:g}%: it must be lower than the base by that much).", "",
-          "| | dual | control |", "| --- | --- | --- |"]
-    for key in ("run", "world_size", "hosts", "hostfile_path", "dataset", "dataset_sha256", "model", "model_sha256",
-                "git", "lock_sha256", "seed", "global_batch", "config_source", "ok", "final_step", "trained_tokens",
-                "tok_per_s_method", "stage_wall_s", "peak_mem_gb", "checkpoints_written", "checkpoints_kept",
-                "trainer_test_loss", "best_adapter", "attempts", "fallback"):
-        cells = [f"{r[key].get('commit')}{' (dirty)' if r[key].get('dirty') else ''}" if key == "git" else
-                 fmt(r.get(key), "") for r in (d, c)]
+    """The promotion report: verdict, how to reproduce it (data first), base / control / dual, the runs."""
+    runs, tp, ev, base = rep["runs"], rep["throughput"], rep["evaluation"], rep["loss"]["base"]
+    cat = f"category: {rep['category']}; " if rep["category"] else ""
+    see = f" ({cat}see RUNBOOK.md#{rep['anchor']})" if rep["anchor"] else ""
+    stages = dict.fromkeys(text for r in runs.values() for st, text in r["reproduce"].items()
+                           if st not in ("export", "compare"))
+    L = [f"# Promotion report: `{rep['run']}` vs control `{rep['control_run']}`", "",
+         f"**Verdict: {rep['verdict']}**{see}", "", *[f"- {r}" for r in rep["reasons"]],
+         *[f"- warning: {w}" for w in rep["comparable"]["warnings"]], "", "## Reproduce", "",
+         "From the repo root on Mac1: the export that made the dataset, then each stage.", "",
+         "```bash", *rep["export"]["lines"], *stages, rep["reproduce_compare"], "```", "", "## Metrics", "",
+         f"`{ev['split']}`: {ev['records']} records, {ev['batches']} batches of {ev['batch_size']}, "
+         f"{ev['tokens']} target tokens, seed {ev['seed']}, the same batches for all three models."
+         if ev else "Not evaluated (see the verdict).", "",
+         "| model | test loss | test ppl | vs base | train tok/s | adapter |", "|---|---|---|---|---|---|"]
+    for name in ("base", "control", "dual"):
+        m = (ev or {}).get("models", {}).get(name, {})
+        gain = 100 * (m["loss"] - base) / base if m.get("loss") is not None and base else None
+        L.append(f"| {name} | {fmt(m.get('loss'))} | {fmt(m.get('ppl'), '.2f')} | {fmt(gain, '+.2f')}% | "
+                 f"{fmt(runs.get(name, {}).get('tok_per_s'), '.1f')} | {fmt(m.get('adapter'), '')} |")
+    L += ["", f"Speedup (steady-state tok/s): **{fmt(tp['speedup'], '.2f')}x** (required > "
+          f"{rep['min_speedup']:g}x); scaling efficiency (speedup / {tp['world_size_ratio']:g}): "
+          f"**{fmt(tp['scaling_efficiency'], '.2f')}**.", "", "## Runs", "",
+          "| | dual | control |", "|---|---|---|"]
+    for key in ("run", "ok", "world_size", "hosts", "hostfile_path", "git", "lock_sha256", "dataset",
+                "dataset_sha256", "model", "model_sha256", "final_step", "stage_wall_s",
+                "checkpoints_written", "best_adapter", "attempts", "fallback"):
+        cells = [f"{r['git'].get('commit')}{' (dirty)' if r['git'].get('dirty') else ''}" if key == "git"
+                 else fmt(r[key], "") for r in (runs["dual"], runs["control"])]
         L.append(f"| {key} | {cells[0]} | {cells[1]} |")
-    L += ["", "## Comparability", ""] + [f"- {ch['name']}: {'same' if ch['ok'] else 'DIFFERS'} (dual `{ch['dual']}`, "
-                                         f"control `{ch['control']}`)" for ch in rep["comparable"]["checks"]]
-    L += [f"- {k[:-1]}: {p}" for k in ("problems", "warnings") for p in rep["comparable"][k]]
-    return "\n".join(L + ["", "## Curves", "", "![train and validation loss of both runs](loss_curves.png)", ""])
+    return "\n".join(L + ["", "![train and validation loss of both runs](loss_curves.png)", ""])
 
 
 # ---- main ------------------------------------------------------------------------------------------------
-def check_args(args) -> None:
-    if not 0 <= args.tolerance < 1 or not 0 <= args.min_gain < 1:
-        raise RunbookError(f"--tolerance {args.tolerance:g} and --min-gain {args.min_gain:g} are fractions of a test "
-                           "loss: use a number in [0, 1), e.g. 0.02 for 2%", "compare")
-    if not args.min_speedup >= 0:
-        raise RunbookError(f"--min-speedup {args.min_speedup:g}: use a number >= 0 (1: faster at all)", "compare")
-    if args.test_batches == 0 or args.test_batches < -1 or (args.batch_size is not None and args.batch_size < 1):
-        raise RunbookError("--test-batches is -1 (all) or >= 1 and --batch-size >= 1", "compare")
-
-
-def evaluate_runs(args, dual: dict, control: dict, comp: dict) -> dict | None:
-    """The three test losses when the runs are comparable; different batches are a problem in comp."""
-    if not comp["ok"]:
-        return None
-    ev = evaluate_models(dual["model"], {"control": control["adapter"], "dual": dual["adapter"]},
-                         paths.DATASETS / dual["dataset"], dual["config"], args.batch_size or int(dual["batch_size"]),
-                         args.test_batches, int(dual["seed"]))
-    if not ev["same_batches"]:
-        comp["problems"].append("the three models did not see the same test batches: a bug in compare; report it")
-        comp["ok"] = False
-    return ev
-
-
 def main() -> int:
     args, t0 = build_parser().parse_args(), time.monotonic()
     try:
         check_args(args)
         dual = run_facts("dual", args.run, "train.json")
-        control = run_facts("control", args.control_run or dual["control_run"] or f"{args.run}-control", "control.json")
+        control = run_facts("control", dual["control_run"] or f"{args.run}-control", "control.json")
     except (RunbookError, ValueError) as e:
         return die(e, 2)
-    for r in (dual, control):
-        event("compare-run", role=r["role"], run=r["run"], ok=r["ok"], world_size=r["world_size"],
-              tok_per_s=r["tok_per_s"] or math.nan, final_step=r["final_step"], adapter=r["adapter"] or "-")
+    # What is on disk now must be what the runs trained on (export's rule for dataset_sha256).
+    data = paths.DATASETS / str(dual["dataset"])
+    disk_dataset = digest_of(tree_hashes(data, SPLITS)) if all((data / s).is_file() for s in SPLITS) else None
     disk_model = launch.model_hash(dual["model"]) if Path(model_path(dual["model"] or "")).is_dir() else None
-    comp = comparability(dual, control, disk_dataset_sha256(dual["dataset"]), disk_model)
+    comp = comparability(dual, control, disk_dataset, disk_model)
     for ch in comp["checks"]:
         event("compare-check", key=ch["name"], status="same" if ch["ok"] else "DIFFERS",
               dual=json.dumps(ch["dual"]), control=json.dumps(ch["control"]))
-    try:
-        ev = evaluate_runs(args, dual, control, comp)
-    except RunbookError as e:
-        return die(e, 2)
+    ev = None
+    if comp["ok"]:
+        try:
+            ev = evaluate_models(dual["model"], {"control": control["adapter"], "dual": dual["adapter"]},
+                                 paths.DATASETS / dual["dataset"], dual["config"], args.test_batches)
+        except RunbookError as e:
+            return die(e, 2)
     losses = {k: m["loss"] for k, m in (ev or {}).get("models", {}).items()}
     v = decide(dual, control, losses, comp["problems"], args.tolerance, args.min_speedup, args.min_gain)
-    rep = build_report(args, dual, control, comp, ev, v)
-    rep["wall_s"] = round(time.monotonic() - t0, 3)
-    png, run_dir = plot_curves(dual, control, losses, v["verdict"]), paths.RUNS / args.run
+    rep = {**build_report(args, dual, control, comp, ev, v), "wall_s": round(time.monotonic() - t0, 3)}
+    run_dir = paths.RUNS / args.run
     with atomic.atomic_dir(run_dir / "compare") as tmp:
         atomic.write_json(tmp / "report.json", rep)
         atomic.write_text(tmp / "report.md", render_md(rep))
-        atomic.write_bytes(tmp / "loss_curves.png", png)
-    launch.write_reproduce(run_dir, "compare", compare_make_cmd(args), [[sys.executable, "bin/compare.py", *sys.argv[1:]]])
+        plot_curves(tmp / "loss_curves.png", dual, control, losses, v["verdict"])
+    argv = [sys.executable, "bin/compare.py", *sys.argv[1:]]
+    launch.write_reproduce(run_dir, "compare", compare_make_cmd(args), [argv])
     launch.finish_manifest(run_dir, "compare", v)
-    lo, tp = rep["loss"], rep["throughput"]
+    lo = rep["loss"]
     event("compare", run=args.run, control=control["run"], verdict=json.dumps(v["verdict"]),
           **{f"{k}_loss": math.nan if lo[k] is None else lo[k] for k in ("base", "control", "dual")},
           rel_loss_pct=math.nan if lo["relative_diff"] is None else 100 * lo["relative_diff"],
-          speedup=tp["speedup"] or math.nan, efficiency=tp["scaling_efficiency"] or math.nan,
-          report=rep["artifacts"]["report_md"])
+          speedup=v["speedup"] or math.nan, efficiency=v["scaling_efficiency"] or math.nan,
+          report=f"runs/{args.run}/compare/report.md")
     for w in comp["warnings"]:
         print(f"warning: {w}", flush=True)
     if v["ok"]:

@@ -88,15 +88,13 @@ VERDICTS = OneOf(compare.PASS, compare.THUNDER, compare.NOT_COMPARABLE, compare.
 GIT = {"commit": str, "dirty": bool}
 EVAL_MODEL = {"evaluated": bool, "loss": NUM_OR_NONE, "ppl": NUM_OR_NONE, "adapter": STR_OR_NONE}
 RUN_SCHEMA = {
-    "run": str, "dir": str, "stage": OneOf("train", "control"), "ok": bool, "category": STR_OR_NONE, "why": str,
-    "world_size": int, "hosts": [str], "hostfile_path": str, "git": GIT, "lock_sha256": str,
+    "run": str, "ok": bool, "category": STR_OR_NONE, "why": str,
+    "world_size": int, "hosts": [str], "hostfile_path": str, "hostfile": dict, "git": GIT, "lock_sha256": str,
     "dataset": str, "dataset_sha256": str, "model": str, "model_sha256": str,
-    "config_source": str, "seed": int, "batch_size": int, "grad_accumulation_steps": int, "global_batch": int,
+    "seed": int, "batch_size": int, "global_batch": int,
     "adapter": STR_OR_NONE, "tok_per_s": NUM_OR_NONE, "tok_per_s_method": str, "final_step": Nullable(int),
-    "trained_tokens": Nullable(int), "peak_mem_gb": NUM_OR_NONE, "stage_wall_s": NUM_OR_NONE,
-    "total_wall_s": NUM_OR_NONE, "train_wall_s": NUM_OR_NONE, "checkpoints_written": int,
-    "checkpoints_kept": [str], "trainer_test_loss": NUM_OR_NONE,
-    "reproduce": ANY,
+    "stage_wall_s": NUM_OR_NONE, "checkpoints_written": int, "best_adapter": STR_OR_NONE,
+    "attempts": int, "fallback": ANY, "reproduce": ANY,
 }
 REPORT_SCHEMA = {
     "format": OneOf("thunder-runbook/compare-report"), "format_version": OneOf(1), "created": str,
@@ -109,18 +107,13 @@ REPORT_SCHEMA = {
                    "world_size_ratio": NUM, "scaling_efficiency": NUM_OR_NONE, "faster": Nullable(bool)},
     "comparable": {"ok": bool, "checks": [{"name": str, "dual": ANY, "control": ANY, "ok": bool}],
                    "problems": [str], "warnings": [str]},
-    "provenance": {"dataset": str, "dataset_sha256": str, "model": str, "model_sha256": str,
-                   "git": {"dual": GIT, "control": GIT},
-                   "lock_sha256": {"dual": str, "control": str},
-                   "hostfile": {"dual": {"path": str, "hosts": dict}, "control": {"path": str, "hosts": dict}}},
     "evaluation": Nullable({
         "split": str, "records": int, "batch_size": int, "max_seq_length": int, "seed": int, "test_batches": int,
         "batches": int, "tokens": int, "same_batches": bool, "load_s": NUM, "peak_mem_gb": NUM,
         "models": {"base": EVAL_MODEL, "control": EVAL_MODEL, "dual": EVAL_MODEL}}),
     "runs": {"dual": RUN_SCHEMA, "control": RUN_SCHEMA},
-    "export": {"lines": [str], "corpus": ANY, "corpus_sha256": STR_OR_NONE, "export_settings": ANY},
+    "export": {"lines": [str]},
     "reproduce_compare": str,
-    "artifacts": {"report_md": str, "report_json": str, "loss_curves_png": str},
     "wall_s": NUM,
 }
 
@@ -557,12 +550,12 @@ def test_end_to_end_pass_then_thunder_path(world, trained):
     tp = rep["throughput"]
     assert tp["speedup"] == pytest.approx(steady_tok_per_s(8, 0.06) / steady_tok_per_s(12, 0.1)) and tp["scaling_efficiency"] == pytest.approx(tp["speedup"] / 2)
     d = rep["runs"]["dual"]
-    assert d["checkpoints_written"] == 2 and d["checkpoints_kept"] == ["step-0000004", "step-0000008"]
+    assert d["checkpoints_written"] == 2
     assert rep["runs"]["control"]["checkpoints_written"] == 3
     # The promotion report: ids, dataset hash, model hash, commit, hostfile, metrics, reproduction.
     md = (ROOT / "runs" / run_id / "compare" / "report.md").read_text()
-    for needle in (run_id, f"{run_id}-control", world["dataset_sha256"], rep["provenance"]["model_sha256"],
-                   rep["provenance"]["git"]["dual"]["commit"], "hostfile.local.json", "**Verdict: pass**",
+    for needle in (run_id, f"{run_id}-control", world["dataset_sha256"], d["model_sha256"],
+                   d["git"]["commit"], "hostfile.local.json", "**Verdict: pass**",
                    f"make train RUN={run_id} ", f"make control RUN={run_id} ", f"make compare RUN={run_id}",
                    f"{lo['dual']:.4f}", f"{lo['control']:.4f}", f"{lo['base']:.4f}", "loss_curves.png"):
         assert needle in md, needle
