@@ -30,7 +30,7 @@ from lib import atomic, jsonl, launch, paths  # noqa: E402
 from lib.config import DEFAULTS as CONFIG_DEFAULTS  # noqa: E402
 from lib.config import RESUMABLE  # noqa: E402
 from lib.hashing import digest_of, tree_hashes  # noqa: E402
-from lib.log import CATEGORIES, OTHER_FAILURES, STABILITY, RunbookError, anchor_of, die, event  # noqa: E402
+from lib.log import FAILURES, OTHER_FAILURES, STABILITY, RunbookError, anchor_of, die, event  # noqa: E402
 from lib.log import THUNDER as THUNDER_CATEGORY  # noqa: E402
 
 FORMAT, FORMAT_VERSION = "thunder-runbook/compare-report", 1
@@ -217,7 +217,7 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
 
     if not dual.get("ok"):
         cat, why = dual.get("category"), dual.get("why") or "no reason recorded"
-        if cat in CATEGORIES:
+        if cat in {name for name, _, _ in FAILURES.values()}:  # DESIGN's five, out of memory, config, ...
             return fail(cat, cat, f"the dual run failed: {why}")
         return fail(DUAL_FAILED, None, f"the dual run failed without a category: {why}", 1, ANCHOR_MISSING)
     if dl is not None and finite(dl) is None:

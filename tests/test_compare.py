@@ -233,6 +233,11 @@ def test_verdict_dual_failed_is_its_own_category():
     # The dual run's own failure comes first, even when the runs are also not comparable.
     v = compare.decide(hang, facts(), {}, ["dataset_sha256 differs"], 0.02)
     assert v["verdict"] == HANG
+    # A failure outside DESIGN's five (out of memory here) keeps its own category and anchor.
+    oom = facts(ok=False, category="out of memory", why="rank 1: [metal::malloc] failed", world_size=2)
+    v = compare.decide(oom, facts(), {}, [], 0.02)
+    assert (v["verdict"], v["category"], v["anchor"], v["exit_code"]) == (
+        "out of memory", "out of memory", "out-of-memory", 1), v
     # A run that reported ok but whose adapter evaluates to NaN is a stability failure.
     v = compare.decide(facts(tok_per_s=1800, world_size=2), facts(), {"dual": float("nan"), "control": 2.0}, [], 0.02)
     assert v["verdict"] == STABILITY and v["exit_code"] == 1
