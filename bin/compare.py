@@ -39,6 +39,7 @@ PASS, NOT_COMPARABLE, DUAL_FAILED = "pass", "not comparable", "dual run failed"
 THUNDER = "underperforms control: Thunder path"
 WORSE = OTHER_FAILURES["worse"][0]  # anchor compare-worse-than-base
 EXACT_REL = 1e-5  # dual vs control step-1 loss with token-weighted gradients: float summation order only
+LINK_BOUND_SHARE = 0.5  # calibrated: the gradient all-reduce takes at least half of a dual step
 ANCHOR_NOT_COMPARABLE = "compare-not-comparable"
 ANCHOR_MISSING = "compare-missing-run"
 SPLITS = ("train.jsonl", "valid.jsonl", "test.jsonl")
@@ -192,19 +193,21 @@ def comparability(dual: dict, control: dict, disk_dataset: str | None, disk_mode
 
 # ---- the verdict --------------------------------------------------------------------------------
 def decide(dual: dict, control: dict, losses: dict, problems: list[str], tolerance: float,
-           min_speedup: float = DEFAULT_MIN_SPEEDUP, min_gain: float = DEFAULT_MIN_GAIN) -> dict:
+           min_speedup: float = DEFAULT_MIN_SPEEDUP, min_gain: float = DEFAULT_MIN_GAIN,
+           calibration: dict | None = None) -> dict:
     """The verdict from facts: dual/control carry ok, category, why, tok_per_s, world_size, run; losses
     the test loss of "base", "control", "dual" (None: not evaluated; no "base" key: no base check).
     The first that applies: the dual run's own failure (a NaN adapter: stability); `worse than the base
     model` (dual loss not below base x (1 - min_gain), whatever the control); `not comparable`;
     `underperforms control: Thunder path` (step-1 loss off the control's beyond float error under
-    token-weighted gradients, loss above (1 + tolerance) x control's, speedup not above min_speedup)."""
+    token-weighted gradients, loss above (1 + tolerance) x control's, speedup not above min_speedup;
+    a slow run is called link-bound or not from `calibration`, see link_call)."""
     dt, ct = dual.get("tok_per_s"), control.get("tok_per_s")
     dl, cl, bl = (losses.get(k) for k in ("dual", "control", "base"))
     speedup = dt / ct if dt and ct else None
     world_ratio = (dual.get("world_size") or 1) / (control.get("world_size") or 1)
     v = dict(verdict=PASS, ok=True, category=None, anchor=None, reasons=[], exit_code=0, loss_ok=None,
-             faster=None, beats_base=None, exact=None, speedup=speedup,
+             faster=None, beats_base=None, exact=None, link_bound=None, speedup=speedup,
              scaling_efficiency=speedup and speedup / world_ratio,
              relative_loss_diff=(dl - cl) / cl if finite(dl) is not None and (finite(cl) or 0) > 0 else None,
              base_gain=(bl - dl) / bl if finite(dl) is not None and (finite(bl) or 0) > 0 else None)
@@ -254,8 +257,9 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
         v["reasons"].append(f"the dual test loss {dl:.4f} is {100 * rel:+.2f}% against the control's "
                             f"{cl:.4f} (tolerance {100 * tolerance:g}%)")
     if not v["faster"]:
+        v["link_bound"], why = link_call(calibration)
         v["reasons"].append(f"the dual run was not faster: {dt:.1f} vs {ct:.1f} tok/s "
-                            f"(speedup {speedup:.2f}x{need})")
+                            f"(speedup {speedup:.2f}x{need}); {why}")
     if v["reasons"]:
         return fail(THUNDER, THUNDER_CATEGORY, v["reasons"].pop())
     gain = "" if v["base_gain"] is None else f", {100 * v['base_gain']:.2f}% below the base model's {bl:.4f}"
@@ -265,6 +269,34 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
         v["reasons"].append(f"note: the dual loss is better than the control's by more than the tolerance "
                             f"({100 * rel:+.2f}%): check both ran the same config")
     return v
+
+
+def link_call(cal: dict | None) -> tuple[bool | None, str]:
+    """Is a slow dual run the link's doing? From the newest calibration of these hosts and model
+    (`make calibrate`): link-bound when the gradient all-reduce took LINK_BOUND_SHARE or more of a
+    calibrated dual step; otherwise a host computed slower than it was calibrated at."""
+    if not cal:
+        return None, ("no calibration of these hosts and model tells a slow link from a slow Mac: "
+                      "run `make calibrate`")
+    share, e, f = cal["link_share"], cal["expected_speedup"], cal["file"]
+    if share >= LINK_BOUND_SHARE:
+        return True, (f"link-bound: calibrate ({f}) measured the gradient all-reduce at {100 * share:.0f}% "
+                      f"of a dual step and predicted {e:.2f}x: the Thunder path is the bottleneck")
+    return False, (f"not the link: calibrate ({f}) predicted {e:.2f}x with the all-reduce {100 * share:.0f}% "
+                   "of a dual step, so a Mac computed slower than calibrated (or the link changed since): "
+                   "`make calibrate` again")
+
+
+def calibration_of(dual: dict) -> dict | None:
+    """The newest runs/calibration-*.json measured on the dual run's hosts with its model, or None."""
+    for path in sorted(paths.RUNS.glob("calibration-*.json"), reverse=True):
+        cal = launch.read_json(path)
+        sp = cal.get("speedup") or {}
+        hosts = [h.get("ssh") for h in (cal.get("hostfile") or {}).get("hosts", [])]
+        if hosts == dual["hosts"] and cal.get("model") == dual["model"] and "link_share" in sp:
+            return {"file": paths.rel(path), "expected_speedup": sp["expected_speedup"],
+                    "link_share": sp["link_share"]}
+    return None
 
 
 def exactness(dual: dict, control: dict) -> dict | None:
@@ -401,7 +433,7 @@ def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v
         "throughput": {"dual_tok_per_s": dual["tok_per_s"], "control_tok_per_s": control["tok_per_s"],
                        "speedup": finite(v["speedup"]), "scaling_efficiency": finite(v["scaling_efficiency"]),
                        "world_size_ratio": (dual["world_size"] or 1) / (control["world_size"] or 1),
-                       "faster": v["faster"]},
+                       "faster": v["faster"], "link_bound": v["link_bound"]},
         "comparable": comp,
         "export": {"lines": launch.export_section(dual["dataset"]) if dual["dataset"] else []},
         "evaluation": ev and {**{k: x for k, x in ev.items() if k != "models"}, "models": rows,
@@ -475,7 +507,8 @@ def main() -> int:
         except RunbookError as e:
             return die(e, 2)
     losses = {k: m["loss"] for k, m in (ev or {}).get("models", {}).items()}
-    v = decide(dual, control, losses, comp["problems"], args.tolerance, args.min_speedup, args.min_gain)
+    v = decide(dual, control, losses, comp["problems"], args.tolerance, args.min_speedup, args.min_gain,
+               calibration_of(dual))
     rep = {**build_report(args, dual, control, comp, ev, v), "wall_s": round(time.monotonic() - t0, 3)}
     run_dir = paths.RUNS / args.run
     with atomic.atomic_dir(run_dir / "compare") as tmp:

@@ -104,7 +104,8 @@ REPORT_SCHEMA = {
     "loss": {"dual": NUM_OR_NONE, "control": NUM_OR_NONE, "base": NUM_OR_NONE, "relative_diff": NUM_OR_NONE,
              "within_tolerance": Nullable(bool), "base_gain": NUM_OR_NONE, "beats_base": Nullable(bool)},
     "throughput": {"dual_tok_per_s": NUM_OR_NONE, "control_tok_per_s": NUM_OR_NONE, "speedup": NUM_OR_NONE,
-                   "world_size_ratio": NUM, "scaling_efficiency": NUM_OR_NONE, "faster": Nullable(bool)},
+                   "world_size_ratio": NUM, "scaling_efficiency": NUM_OR_NONE, "faster": Nullable(bool),
+                   "link_bound": Nullable(bool)},
     "comparable": {"ok": bool, "checks": [{"name": str, "dual": ANY, "control": ANY, "ok": bool}],
                    "problems": [str], "warnings": [str]},
     "evaluation": Nullable({
@@ -191,6 +192,35 @@ def test_token_weighted_dual_must_compute_what_the_control_computes():
     v = compare.decide(token_weighted([8.0401], "mlx_lm", tok_per_s=1800, world_size=2),
                        token_weighted([8.1]), losses, [], 0.02)
     assert v["ok"] and v["exact"] is None
+
+
+def test_a_slow_dual_run_is_called_link_bound_or_not_from_the_calibration(tmp_path, monkeypatch):
+    """#19: a slow Thunderbolt path or a slow Mac. The newest calibration of the same hosts and model
+    says how much of a dual step the gradient all-reduce took; at half or more the run is link-bound."""
+    def cal(name, hosts, share, model="models/m"):
+        doc = {"model": model, "hostfile": {"hosts": [{"ssh": h} for h in hosts]},
+               "speedup": {"expected_speedup": 0.4 if share >= 0.5 else 1.7, "link_share": share}}
+        (tmp_path / f"calibration-{name}.json").write_text(json.dumps(doc))
+
+    monkeypatch.setattr(compare.paths, "RUNS", tmp_path)
+    dual = dict(facts(tok_per_s=400, world_size=2), hosts=["mac4", "mac5"], model="models/m")
+    slow = [dual, facts(tok_per_s=1000), {"dual": 2.0, "control": 2.0}, [], 0.02]
+    assert compare.calibration_of(dual) is None
+    v = compare.decide(*slow, calibration=None)
+    assert v["link_bound"] is None and "run `make calibrate`" in v["reasons"][-1]
+    cal("20261124T010000", ["mac4", "mac5"], 0.8)
+    cal("20261124T020000", ["mac4", "mac6"], 0.1)  # newer, but other hosts
+    cal("20261124T030000", ["mac4", "mac5"], 0.1, model="models/other")  # newer, but another model
+    found = compare.calibration_of(dual)
+    assert found["file"].endswith("calibration-20261124T010000.json") and found["link_share"] == 0.8
+    v = compare.decide(*slow, calibration=found)
+    assert v["verdict"] == "underperforms control: Thunder path" and v["link_bound"] is True
+    assert "link-bound: calibrate" in v["reasons"][-1] and "80% of a dual step" in v["reasons"][-1]
+    cal("20261124T040000", ["mac4", "mac5"], 0.1)  # the link measured fast: a Mac was slow
+    v = compare.decide(*slow, calibration=compare.calibration_of(dual))
+    assert v["link_bound"] is False and "not the link" in v["reasons"][-1] and "1.70x" in v["reasons"][-1]
+    # A run that was fast enough is never called anything.
+    assert compare.decide(dict(dual, tok_per_s=1800), *slow[1:], calibration=found)["link_bound"] is None
 
 
 def test_verdict_slower_dual_is_thunder_path():
