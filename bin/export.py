@@ -20,7 +20,6 @@ import fcntl
 import glob
 import gzip
 import json
-import math
 import multiprocessing
 import os
 import re
@@ -31,7 +30,6 @@ import sys
 import threading
 import time
 import zlib
-from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from fractions import Fraction
@@ -61,7 +59,6 @@ RAW_PREFIX, CHUNK = 500, 2000  # bytes of a rejected line kept; lines per task o
 MISSING = object()
 ENC = json.encoder.encode_basestring_ascii  # a string as json.dumps writes it: pure ASCII, any locale reads it
 SCAN = json.decoder.JSONDecoder().scan_once  # json.loads without its per-call overhead
-W: dict = {}  # a pool worker's Shaper (set by init_worker)
 
 
 class Reject(Exception):
@@ -74,7 +71,7 @@ def fail(message: str, anchor: str) -> RunbookError:
 
 # ---- settings: the command line, then the YAML config, then DEFAULTS ---------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("corpus", nargs="+", help="JSONL files (plain or gzip'd) or glob patterns")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--dataset", help="write datasets/NAME/")
@@ -90,14 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_settings(args) -> dict:
-    s, where = json.loads(json.dumps(DEFAULTS)), "the command line"
+    """The checked settings, with the ratios normalised exactly (as Fractions)."""
+    s = json.loads(json.dumps(DEFAULTS))  # a deep copy
     if args.config:
         import yaml
         try:
             s.update(yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {})
         except (OSError, yaml.YAMLError, TypeError, ValueError) as e:
             raise fail(f"cannot read config {args.config} as a mapping of settings: {e}", "export-bad-settings") from e
-        where = f"{args.config} or the command line"
     for key, items in (("fields", args.field), ("roles", args.role)):
         for k, sep, v in (item.partition("=") for item in items):
             if not (sep and k and v and isinstance(s[key], dict)):
@@ -121,8 +118,8 @@ def resolve_settings(args) -> dict:
         (type(s["max_chars"]) is not int or s["max_chars"] <= 0, f"max_chars must be a positive integer, not {s['max_chars']!r}"),
         (not isinstance(s["text_system_prompt"], str) or not str(s["text_user_prompt"]).strip(),
          "text_system_prompt must be a string and text_user_prompt a non-empty string")]
-    bad = [what for wrong, what in checks if wrong]
-    if bad:
+    if bad := [what for wrong, what in checks if wrong]:
+        where = f"{args.config} or the command line" if args.config else "the command line"
         raise fail(f"{where}: {'; '.join(bad)}", "export-bad-settings")
     return {**s, "ratios": {k: r[k] / sum(r.values()) for k in SPLITS}, "max_reject_ratio": float(mrr)}
 
@@ -203,8 +200,8 @@ class Shaper:
         self.roles = {"system": "system", "user": "user", "assistant": "assistant"} | s["roles"]
         self.head = [("system", s["text_system_prompt"])] * bool(s["text_system_prompt"]) + [("user", s["text_user_prompt"])]
         self.max_chars, self.limit = s["max_chars"], 8 * s["max_chars"] + (1 << 16)  # JSON, UTF-8: < 6 bytes a char
-        r = s["ratios"]  # split bounds on the first 8 bytes of sha256(record_id)
-        self.bounds = [min(math.floor(x * 2**64), 2**64 - 1).to_bytes(8, "big") for x in (r["train"], 1 - r["test"])]
+        r = s["ratios"]  # split bounds on the first 8 bytes of sha256(record_id); int() of a Fraction >= 0 is exact
+        self.bounds = [min(int(x * 2**64), 2**64 - 1).to_bytes(8, "big") for x in (r["train"], 1 - r["test"])]
 
     def chat(self, m) -> list[tuple[str, str]]:
         f = self.f
@@ -293,10 +290,19 @@ class Shaper:
         derived = tuple(k for k, v in (("record_id", rid), ("weight", w), ("source", src)) if v is MISSING)
         return line.encode(), split, int.from_bytes(rd, "big"), int.from_bytes(cd, "big"), derived
 
+    def chunk(self, fname: str, base: int, lines: list[bytes]) -> list[tuple]:
+        """A pool worker's task: each line's record (a 5-tuple), or its (reason, detail)."""
+        out = []
+        for n, raw in enumerate(lines, base + 1):
+            try:
+                out.append(self.record(raw, n, fname))
+            except Reject as e:
+                out.append(e.args)
+        return out
 
-def init_worker(s: dict, parent: int) -> None:
-    """A pool worker: signals are the exporter's; it leaves when the exporter is gone."""
-    W["shaper"] = Shaper(s)
+
+def init_worker(parent: int) -> None:
+    """A pool worker: signals are the exporter's; it leaves when the exporter is gone (even SIGKILLed)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
@@ -308,17 +314,6 @@ def watch_parent(pid: int) -> None:
     os._exit(1)
 
 
-def shape_chunk(fname: str, base: int, lines: list[bytes]) -> list[tuple]:
-    """Each line's record (a 5-tuple), or its (reason, detail)."""
-    out, record = [], W["shaper"].record
-    for n, raw in enumerate(lines, base + 1):
-        try:
-            out.append(record(raw, n, fname))
-        except Reject as e:
-            out.append(e.args)
-    return out
-
-
 # ---- the export: first duplicate wins, every line accounted for ---------------------------------
 def run_export(sources: list[dict], tmp: Path, s: dict, workers: int = 1) -> dict:
     """Every line of the sources into tmp/{train,valid,test,rejects}.jsonl; returns the facts. A process
@@ -327,21 +322,20 @@ def run_export(sources: list[dict], tmp: Path, s: dict, workers: int = 1) -> dic
     r = {"outs": {k: open(tmp / f"{k}.jsonl", "wb") for k in (*SPLITS, "rejects")}, "rids": {}, "contents": set(),
          "counts": dict.fromkeys(("input", "exported", "rejected", "duplicates", *SPLITS), 0),
          "by_reason": dict.fromkeys(REASONS, 0), "derived": dict.fromkeys(("record_id", "weight", "source"), 0)}
-    workers, pending, r["workers"] = max(workers, 1), deque(), set()
-    pool = ProcessPoolExecutor(workers, initializer=init_worker, initargs=(s, os.getpid()))
+    shaper, workers, pending, r["workers"] = Shaper(s), max(workers, 1), [], set()
+    pool = ProcessPoolExecutor(workers, initializer=init_worker, initargs=(os.getpid(),))
     try:
-        for task in tasks(sources, Shaper(s).limit):
-            pending.append((task, pool.submit(shape_chunk, *task)))
+        for task in tasks(sources, shaper.limit):
+            pending.append((task, pool.submit(shaper.chunk, *task)))
             r["workers"].update(multiprocessing.active_children())  # the pool starts them as work arrives
             while len(pending) > 2 * workers:
-                take(r, *pending.popleft())
+                take(r, *pending.pop(0))
         while pending:
-            take(r, *pending.popleft())
+            take(r, *pending.pop(0))
         pool.shutdown()  # all done: the workers leave before this process goes on
     except BrokenProcessPool:
         for p in multiprocessing.active_children():
             p.kill()
-        W["broken"] = True
         raise fail("an export worker process died (killed; the out-of-memory killer?): export again, with fewer "
                    "--workers if memory is short", "export-crashed") from None
     finally:
@@ -379,7 +373,7 @@ def take(r: dict, task: tuple, result) -> None:
             outs["rejects"].write((json.dumps({
                 "file": fname, "line": n, "reason": rec[0], "detail": rec[1], "raw_bytes": len(raw),
                 "raw": raw[:RAW_PREFIX].decode("utf-8", "backslashreplace"), "see": f"RUNBOOK.md#reject-{rec[0]}"},
-                ensure_ascii=False, separators=(", ", ": ")) + "\n").encode(errors="backslashreplace"))
+                ensure_ascii=False) + "\n").encode(errors="backslashreplace"))
         elif rec[3] in contents:
             c["duplicates"] += 1
         else:
@@ -453,29 +447,24 @@ def lock_and_clean(out: Path):
     return lock
 
 
-def report(r: dict) -> None:
-    """Counts and the accounting identity, rejects by reason, derived fields."""
-    c = r["counts"]
-    event("export_counts", **c)
-    ok = ["ok" if x else "MISMATCH" for x in (c["input"] == c["exported"] + c["rejected"] + c["duplicates"],
-                                              c["exported"] == c["train"] + c["valid"] + c["test"])]
-    print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + duplicates "
-          f"{c['duplicates']} {ok[0]}; exported {c['exported']} = train {c['train']} + valid {c['valid']} + test "
-          f"{c['test']} {ok[1]}", flush=True)
-    print(f"export_rejects {' '.join(f'{k} {v}' for k, v in r['by_reason'].items() if v) or 'none'}", flush=True)
-    event("export_derived", **r["derived"])
-
-
-def export(out: Path, args, sources: list[dict], s: dict) -> dict:
-    """Export into a temp folder beside `out` and swap it in, or fail leaving `out` as it was."""
+def export(out: Path, sources: list[dict], s: dict, workers: int) -> dict:
+    """Export into a temp folder beside `out`, report the counts, and swap it in (or fail leaving `out` as it
+    was); returns the manifest."""
     failed = out.parent / f"{out.name}.failed-rejects.jsonl"
     with atomic.atomic_dir(out) as tmp:
-        r = run_export(sources, tmp, s, args.workers)
+        r = run_export(sources, tmp, s, workers)
         c, limit = r["counts"], s["max_reject_ratio"] * r["counts"]["input"]
         if c["input"] == 0:
             raise fail(f"the corpus has no lines ({', '.join(x['path'] for x in sources)}): pass the right CORPUS",
                        "export-no-input")
-        report(r)
+        event("export_counts", **c)
+        ok = {True: "ok", False: "MISMATCH"}
+        print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + duplicates "
+              f"{c['duplicates']} {ok[c['input'] == c['exported'] + c['rejected'] + c['duplicates']]}; exported "
+              f"{c['exported']} = train {c['train']} + valid {c['valid']} + test {c['test']} "
+              f"{ok[c['exported'] == c['train'] + c['valid'] + c['test']]}", flush=True)
+        print(f"export_rejects {' '.join(f'{k} {v}' for k, v in r['by_reason'].items() if v) or 'none'}", flush=True)
+        event("export_derived", **r["derived"])
         if c["rejected"] > limit:
             os.replace(tmp / "rejects.jsonl", failed)
             raise fail(f"{c['rejected']} of {c['input']} lines rejected, over the threshold {s['max_reject_ratio']:g} x "
@@ -485,10 +474,10 @@ def export(out: Path, args, sources: list[dict], s: dict) -> dict:
             raise fail(f"split(s) {', '.join(k for k in SPLITS if not c[k])} would be empty with {c['exported']} "
                        f"exported records and ratios {'/'.join(f'{float(v):g}' for v in s['ratios'].values())}: add "
                        "records or raise those ratios", "export-empty-split")
-        r["manifest"] = build_manifest(out.name, sources, r, s)
-        (tmp / "manifest.json").write_text(atomic.dumps_json(r["manifest"]), encoding="utf-8")
+        m = build_manifest(out.name, sources, r, s)
+        (tmp / "manifest.json").write_text(atomic.dumps_json(m), encoding="utf-8")
     failed.unlink(missing_ok=True)
-    return r
+    return m
 
 
 def main() -> int:
@@ -502,18 +491,17 @@ def main() -> int:
         out, s = paths.DATASETS / args.dataset if args.dataset else Path(args.out), resolve_settings(args)
         sources = corpus_files(args.corpus, out)
         with lock_and_clean(out):
-            why = why_export(out, args, sources, s)
-            if why is None:
+            if (why := why_export(out, args, sources, s)) is None:
                 m = read_manifest(out)
                 event("export_unchanged", dataset=paths.rel(out), corpus_sha256=m["corpus_sha256"][:12],
                       dataset_sha256=m["dataset_sha256"], why="the same corpus and settings: nothing written")
                 return 0
-            r = export(out, args, sources, s)
+            m = export(out, sources, s, args.workers)
     except RunbookError as e:
         return die(e)
     except KeyboardInterrupt:
         return die("interrupted: the previous dataset (if any) is unchanged", 130)
-    event("export_done", dataset=out.name, out=paths.rel(out), dataset_sha256=r["manifest"]["dataset_sha256"],
+    event("export_done", dataset=out.name, out=paths.rel(out), dataset_sha256=m["dataset_sha256"],
           why=why, wall_s=round(time.monotonic() - t0, 2))
     return 0
 
@@ -521,9 +509,10 @@ def main() -> int:
 if __name__ == "__main__":
     try:
         code = main()
-    except SystemExit as e:  # SIGTERM's handler unwinds (the temp folder goes); a worker may have died mid-send too
-        code, W["broken"] = e.code if isinstance(e.code, int) else 1, True
-    if W.get("broken"):  # the pool's own thread may still wait on a dead worker's half-sent result: do not join it
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    except SystemExit as e:  # from SIGTERM's handler, once the temp folder is gone
+        code = e.code if isinstance(e.code, int) else 1
+    # Not sys.exit: after a worker died mid-send (SIGKILL, or SIGTERM to the process group) the pool's own
+    # thread waits for ever on the half-sent result (see result_of), and a normal exit would join it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
