@@ -276,7 +276,8 @@ class Shaper:
             except UnicodeEncodeError:
                 raise Reject("non_utf8", "a string holds half a UTF-16 surrogate pair (a lone \\ud800 "
                              "escape)") from None
-        rid, w, src = (obj.get(f[k], MISSING) for k in ("record_id", "weight", "source"))
+        get = obj.get
+        rid, w, src = get(f["record_id"], MISSING), get(f["weight"], MISSING), get(f["source"], MISSING)
         if rid is not MISSING and not (type(rid) is int or type(rid) is str and rid and not rid.isspace()):
             raise Reject("bad_record_id", f"record_id {rid!r} is not a non-empty string or an integer")
         if w is not MISSING and (type(w) not in (int, float) or not 0 <= w <= sys.float_info.max):
@@ -284,22 +285,22 @@ class Shaper:
         if src is not MISSING and (type(src) is not str or not src or src.isspace()):
             raise Reject("bad_source", f"source {src!r} is not a non-empty string")
         mj = "[" + ", ".join([f'{{"role": "{r}", "content": {ENC(c)}}}' for r, c in turns]) + "]"
-        content_key = sha256(mj.encode()).digest()[:16]
-        key = "content:" + content_key.hex() if rid is MISSING else str(rid)
-        rid_key = sha256(key.encode()).digest()[:16]
+        cd = sha256(mj.encode()).digest()[:16]  # the content's key
+        key = "content:" + cd.hex() if rid is MISSING else str(rid)
+        rd = sha256(key.encode()).digest()[:16]  # the record_id's key: its first 8 bytes pick the split
         weight = 1.0 if w is MISSING else float(w) + 0.0  # + 0.0: -0.0 is written 0.0
         line = (f'{{"messages": {mj}, "record_id": {ENC(key)}, "weight": {weight!r}, '
                 f'"source": {ENC(fname if src is MISSING else src)}}}\n')
-        split = 0 if rid_key[:8] < self.bounds[0] else 1 if rid_key[:8] < self.bounds[1] else 2
         derived = tuple(k for k, v in (("record_id", rid), ("weight", w), ("source", src)) if v is MISSING)
-        return line.encode(), split, rid_key, content_key, derived
+        split = 0 if rd[:8] < self.bounds[0] else 1 if rd[:8] < self.bounds[1] else 2
+        return line.encode(), split, int.from_bytes(rd, "big"), int.from_bytes(cd, "big"), derived
 
     def chunk(self, fname: str, base: int, lines: list[bytes]) -> list[tuple]:
         """A pool worker's task: each line's record (a 5-tuple), or its (reason, detail)."""
-        out = []
+        out, record = [], self.record
         for n, raw in enumerate(lines, base + 1):
             try:
-                out.append(self.record(raw, n, fname))
+                out.append(record(raw, n, fname))
             except Reject as e:
                 out.append(e.args)
         return out
@@ -370,9 +371,9 @@ def result_of(future, workers: set) -> list:
 
 def take(r: dict, task: tuple, future) -> None:
     """Write one chunk's records (those not seen before) and rejects."""
-    (fname, base, lines), outs, c = task, r["outs"], r["counts"]
+    (fname, base, lines), outs, rids, contents, c = task, r["outs"], r["rids"], r["contents"], r["counts"]
     for n, rec in enumerate(result_of(future, r["workers"]), base + 1):
-        if len(rec) == 5 and r["rids"].setdefault(rec[2], rec[3]) != rec[3]:
+        if len(rec) == 5 and rids.setdefault(rec[2], rec[3]) != rec[3]:
             rec = ("record_id_conflict", "this record_id was seen earlier with other messages; give one its "
                    "own")
         if len(rec) == 2:
@@ -383,10 +384,10 @@ def take(r: dict, task: tuple, future) -> None:
                       "see": f"RUNBOOK.md#reject-{rec[0]}"}
             line = json.dumps(reject, ensure_ascii=False) + "\n"
             outs["rejects"].write(line.encode(errors="backslashreplace"))
-        elif rec[3] in r["contents"]:
+        elif rec[3] in contents:
             c["duplicates"] += 1
         else:
-            r["contents"].add(rec[3])
+            contents.add(rec[3])
             c[SPLITS[rec[1]]] += 1
             outs[SPLITS[rec[1]]].write(rec[0])
             for key in rec[4]:
