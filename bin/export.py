@@ -1,16 +1,12 @@
 #!/usr/bin/env python3
 """export: a corpus to mlx-lm chat JSONL with stable splits, provenance, rejects and a manifest.
 
-Usage:
-    python bin/export.py CORPUS [CORPUS ...] (--dataset NAME | --out DIR) [--config YAML] [--replace] [options]
-
-Example:
     .venv/bin/python bin/export.py datasets/sample/corpus.jsonl --dataset sample --config configs/export.yaml
 
 CORPUS: JSONL files (plain or gzip'd) or globs; a line is {"messages"}, {"prompt", "completion"|"response"},
-{"instruction", "input", "output"} or {"text"}, plus optional "record_id", "weight", "source". Writes DIR at
-once: train/valid/test.jsonl (`mlx_lm lora --data DIR`), rejects.jsonl, manifest.json. The same corpus and
-settings again change nothing; another corpus is refused unless --replace. See RUNBOOK.md#export.
+{"instruction", "input", "output"} or {"text"}, plus optional "record_id", "weight", "source". Writes DIR
+at once: train/valid/test.jsonl (`mlx_lm lora --data DIR`), rejects.jsonl, manifest.json. The same corpus
+and settings again change nothing; another corpus is refused unless --replace. See RUNBOOK.md#export.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ import fcntl
 import glob
 import gzip
 import json
-import math
 import multiprocessing
 import os
 import re
@@ -31,10 +26,9 @@ import sys
 import threading
 import time
 import zlib
-from collections import deque
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
 from fractions import Fraction
+from functools import partial
 from hashlib import sha256
 from pathlib import Path
 
@@ -53,28 +47,25 @@ FIELDS = ("messages", "prompt", "completion", "response", "instruction", "input"
 REASONS = ("blank_line", "non_utf8", "invalid_json", "not_an_object", "missing_content", "empty_content",
            "non_string_content", "bad_messages", "role_order", "bad_weight", "bad_record_id", "bad_source",
            "record_id_conflict", "too_long")
-DEFAULTS = {"fields": {}, "roles": {}, "ratios": {"train": 0.9, "valid": 0.05, "test": 0.05},
+DEFAULTS = {"fields": {}, "ratios": {"train": 0.9, "valid": 0.05, "test": 0.05},
             "max_reject_ratio": 0.001, "max_chars": 50000, "text_system_prompt": "",
             "text_user_prompt": "Write a passage from the reference documentation."}
-FLAGS = {"ratios": str, "max_reject_ratio": float, "max_chars": int, "text_system_prompt": str, "text_user_prompt": str}
+FLAGS = {"ratios": str, "max_reject_ratio": float, "max_chars": int, "text_system_prompt": str,
+         "text_user_prompt": str}  # the settings that have a flag of their own, e.g. --max-chars
 RAW_PREFIX, CHUNK = 500, 2000  # bytes of a rejected line kept; lines per task of a worker
 MISSING = object()
-ENC = json.encoder.encode_basestring_ascii  # a string as json.dumps writes it: pure ASCII, any locale reads it
+ENC = json.encoder.encode_basestring_ascii  # a string as json.dumps writes it (pure ASCII)
 SCAN = json.decoder.JSONDecoder().scan_once  # json.loads without its per-call overhead
-W: dict = {}  # a pool worker's Shaper (set by init_worker)
+fail = partial(RunbookError, category=DATA)  # fail(message, anchor): the RUNBOOK heading names the fix
 
 
 class Reject(Exception):
     """A line that is no record: (reason, detail)."""
 
 
-def fail(message: str, anchor: str) -> RunbookError:
-    return RunbookError(message, anchor, DATA)
-
-
-# ---- settings: the command line, then the YAML config, then DEFAULTS ---------------------------
+# ---- settings: DEFAULTS, then the YAML config, then the command line ---------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("corpus", nargs="+", help="JSONL files (plain or gzip'd) or glob patterns")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--dataset", help="write datasets/NAME/")
@@ -82,47 +73,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML with the keys of configs/export.yaml")
     p.add_argument("--replace", action="store_true", help="replace a dataset of another corpus or settings")
     p.add_argument("--field", action="append", default=[], metavar="CANONICAL=NAME", help="e.g. text=body")
-    p.add_argument("--role", action="append", default=[], metavar="FROM=TO", help="e.g. human=user")
     for key, kind in FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), type=kind, help=f"configs/export.yaml's {key}")
-    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4), help="processes (the output is the same)")
+    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4),
+                   help="processes (the output is the same)")
     return p
 
 
 def resolve_settings(args) -> dict:
-    s, where = json.loads(json.dumps(DEFAULTS)), "the command line"
+    """The settings, checked; the ratios normalised exactly (Fractions: the split bounds are exact)."""
+    s = json.loads(json.dumps(DEFAULTS))  # a deep copy
     if args.config:
         import yaml
         try:
             s.update(yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {})
         except (OSError, yaml.YAMLError, TypeError, ValueError) as e:
-            raise fail(f"cannot read config {args.config} as a mapping of settings: {e}", "export-bad-settings") from e
-        where = f"{args.config} or the command line"
-    for key, items in (("fields", args.field), ("roles", args.role)):
-        for k, sep, v in (item.partition("=") for item in items):
-            if not (sep and k and v and isinstance(s[key], dict)):
-                raise fail(f"--{key[:-1]} {k}{sep}{v}: expected KEY=VALUE, e.g. --field text=body", "export-bad-settings")
-            s[key][k] = v
+            raise fail(f"cannot read config {args.config} as a mapping of settings: {e}",
+                       "export-bad-settings") from e
+    for k, sep, v in (item.partition("=") for item in args.field):
+        if not (sep and k and v and isinstance(s["fields"], dict)):
+            raise fail(f"--field {k}{sep}{v}: expected CANONICAL=NAME, e.g. --field text=body",
+                       "export-bad-settings")
+        s["fields"][k] = v
     s.update({k: v for k in FLAGS if (v := getattr(args, k)) is not None})
     if isinstance(s["ratios"], str):  # --ratios 0.9,0.05,0.05
         s["ratios"] = dict(zip(SPLITS, s["ratios"].split(","), strict=False))
     ratios = s["ratios"] if isinstance(s["ratios"], dict) and set(s["ratios"]) == set(SPLITS) else {}
-    r, mrr, fields = {k: number(ratios.get(k)) for k in SPLITS}, number(s["max_reject_ratio"]), s["fields"]
-    odd_fields = sorted(set(fields) - set(FIELDS)) if isinstance(fields, dict) else [repr(fields)]
+    r, mrr = {k: number(ratios.get(k)) for k in SPLITS}, number(s["max_reject_ratio"])
+    fields, unknown = s["fields"], sorted(set(s) - set(DEFAULTS))
+    odd = sorted(set(fields) - set(FIELDS)) if isinstance(fields, dict) else [repr(fields)]
     checks = [  # (wrong?, what it must be)
-        (set(s) - set(DEFAULTS), f"unknown key(s) {', '.join(sorted(set(s) - set(DEFAULTS)))} (known: {', '.join(DEFAULTS)})"),
-        (odd_fields, f"unknown canonical field(s) {', '.join(odd_fields)} (fields maps canonical names to corpus names, "
-                     f"e.g. {{text: body}}; known: {', '.join(FIELDS)})"),
-        (not isinstance(s["roles"], dict) or not set(s["roles"].values()) <= {"system", "user", "assistant"},
-         "roles must map corpus roles to system|user|assistant, e.g. {human: user, gpt: assistant}"),
-        *[(r[k] is None or r[k] <= 0, f"ratios.{k} must be > 0 (ratios are train, valid, test; each split gets records)")
-          for k in SPLITS],
+        (unknown, f"unknown key(s) {', '.join(unknown)} (known: {', '.join(DEFAULTS)})"),
+        (odd, f"unknown canonical field(s) {', '.join(odd)} (fields maps canonical names to the corpus's, "
+              f"e.g. {{text: body}}; known: {', '.join(FIELDS)})"),
+        *[(r[k] is None or r[k] <= 0, f"ratios.{k} must be > 0 (each split gets records)") for k in SPLITS],
         (mrr is None or not 0 <= mrr <= 1, "max_reject_ratio must be a number within 0..1"),
-        (type(s["max_chars"]) is not int or s["max_chars"] <= 0, f"max_chars must be a positive integer, not {s['max_chars']!r}"),
+        (type(s["max_chars"]) is not int or s["max_chars"] <= 0,
+         f"max_chars must be a positive integer, not {s['max_chars']!r}"),
         (not isinstance(s["text_system_prompt"], str) or not str(s["text_user_prompt"]).strip(),
          "text_system_prompt must be a string and text_user_prompt a non-empty string")]
-    bad = [what for wrong, what in checks if wrong]
-    if bad:
+    if bad := [what for wrong, what in checks if wrong]:
+        where = f"{args.config} or the command line" if args.config else "the command line"
         raise fail(f"{where}: {'; '.join(bad)}", "export-bad-settings")
     return {**s, "ratios": {k: r[k] / sum(r.values()) for k in SPLITS}, "max_reject_ratio": float(mrr)}
 
@@ -146,19 +137,22 @@ def corpus_files(patterns: list[str], out: Path) -> list[dict]:
     sha256 and size as stored, and whether it is gzip'd (told by content)."""
     found: dict[Path, Path] = {}
     for pat in patterns:
-        matches = [Path(m) for m in glob.glob(pat, recursive=True) if Path(m).is_file()] if glob.has_magic(pat) else [Path(pat)]
-        if not matches or not matches[0].is_file():
-            why = "matches no file" if not matches else "is a folder: pass its files or a glob" if matches[0].is_dir() else "not found"
+        matches = [Path(m) for m in glob.glob(pat, recursive=True)] if glob.has_magic(pat) else [Path(pat)]
+        if not (files := [m for m in matches if m.is_file()]):
+            why = ("is a folder: pass its files or a glob" if matches and matches[0].is_dir()
+                   else "matches no file" if glob.has_magic(pat) else "not found")
             raise fail(f"corpus {pat!r} {why}: pass CORPUS=<files or glob>", "export-no-input")
-        found.update({m.resolve(): m for m in matches if m.resolve() not in found})
+        found.update({f.resolve(): f for f in files if f.resolve() not in found})
     if any(r.is_relative_to(out.resolve()) for r in found):
-        raise fail(f"a corpus file is inside the output folder {out}: export to another DATASET", "export-no-input")
-    files = []
+        raise fail(f"a corpus file is inside the output folder {out}: export to another DATASET",
+                   "export-no-input")
+    sources = []
     for f in sorted(found.values(), key=paths.rel):
         with open(f, "rb") as fh:
-            is_gz = fh.read(2) == b"\x1f\x8b"
-        files.append({"path": paths.rel(f), "sha256": sha256_file(f), "bytes": f.stat().st_size, "gzip": is_gz, "file": f})
-    return files
+            is_gzip = fh.read(2) == b"\x1f\x8b"
+        sources.append({"path": paths.rel(f), "sha256": sha256_file(f), "bytes": f.stat().st_size,
+                        "gzip": is_gzip, "file": f})
+    return sources
 
 
 def tasks(sources: list[dict], limit: int):
@@ -177,16 +171,16 @@ def tasks(sources: list[dict], limit: int):
                         yield src["path"], n, chunk
                         n, chunk = n + CHUNK, []
         except (OSError, EOFError, zlib.error) as e:
-            raise fail(f"{src['path']}: cannot read past line {n + len(chunk)}: {e}; re-create the file (`gzip -t` "
-                       "checks a .gz)", "export-no-input") from e
+            raise fail(f"{src['path']}: cannot read past line {n + len(chunk)}: {e}; re-create the file "
+                       "(`gzip -t` checks a .gz)", "export-no-input") from e
         if chunk:
             yield src["path"], n, chunk
         src["lines"] = n + len(chunk)
 
 
-# ---- one line -> one record (in pool workers) ----------------------------------------------------
+# ---- one line -> one record (in the pool's workers) -----------------------------------------------
 def text(v, what: str) -> str:
-    if v is None or v is MISSING:
+    if v is None:
         raise Reject("missing_content", f"{what} is absent or null")
     if type(v) is not str:
         raise Reject("non_string_content", f"{what} is {type(v).__name__}, not a string")
@@ -196,15 +190,15 @@ def text(v, what: str) -> str:
 
 
 class Shaper:
-    """Corpus lines to output lines, with the settings' field names, roles, prompts and limits."""
+    """Corpus lines to output lines, with the settings' field names, prompts and limits."""
 
     def __init__(self, s: dict):
-        self.f = {k: k for k in FIELDS} | s["fields"]
-        self.roles = {"system": "system", "user": "user", "assistant": "assistant"} | s["roles"]
-        self.head = [("system", s["text_system_prompt"])] * bool(s["text_system_prompt"]) + [("user", s["text_user_prompt"])]
-        self.max_chars, self.limit = s["max_chars"], 8 * s["max_chars"] + (1 << 16)  # JSON, UTF-8: < 6 bytes a char
-        r = s["ratios"]  # split bounds on the first 8 bytes of sha256(record_id)
-        self.bounds = [min(math.floor(x * 2**64), 2**64 - 1).to_bytes(8, "big") for x in (r["train"], 1 - r["test"])]
+        self.f = {k: k for k in FIELDS} | s["fields"]  # canonical name -> the corpus's own
+        self.head = [("system", s["text_system_prompt"])] * bool(s["text_system_prompt"])
+        self.head.append(("user", s["text_user_prompt"]))
+        self.max_chars, self.limit = s["max_chars"], 8 * s["max_chars"] + (1 << 16)  # JSON: < 6 bytes a char
+        r = s["ratios"]  # split bounds on sha256(record_id)'s first 8 bytes: exact, from Fractions
+        self.bounds = [min(int(x * 2**64), 2**64 - 1).to_bytes(8, "big") for x in (r["train"], 1 - r["test"])]
 
     def chat(self, m) -> list[tuple[str, str]]:
         f = self.f
@@ -216,21 +210,20 @@ class Shaper:
             raise Reject("empty_content", f"{f['messages']} is an empty list")
         out = []
         for i, msg in enumerate(m):
-            role = self.roles.get(msg.get(f["role"])) if type(msg.get(f["role"])) is str else None
-            if role is None:
-                raise Reject("role_order", f"message {i} has role {msg.get(f['role'])!r}, not system/user/assistant "
-                             "(map it with --role FROM=TO)")
+            if (role := msg.get(f["role"])) not in ("system", "user", "assistant"):
+                raise Reject("role_order", f"message {i} has role {role!r}, not system/user/assistant")
             out.append((role, text(msg.get(f["content"]), f"message {i} {f['content']}")))
         start = int(out[0][0] == "system")
-        for i, (r, _) in enumerate(out[start:], start):
-            if r != ("user", "assistant")[(i - start) % 2]:
-                raise Reject("role_order", f"message {i} is {r}: an optional system first, then user/assistant in turn")
+        for i, (role, _) in enumerate(out[start:], start):
+            if role != ("user", "assistant")[(i - start) % 2]:
+                raise Reject("role_order", f"message {i} is {role}: an optional system first, then "
+                             "user/assistant in turn")
         if out[-1][0] != "assistant":
             raise Reject("role_order", "no final assistant turn (the last message must be the assistant's)")
         return out
 
     def turns(self, obj: dict) -> list[tuple[str, str]]:
-        """The (role, content) turns of a record, by the first shape it has."""
+        """The (role, content) turns of a record, by the first shape it has (in the corpus's field names)."""
         f, get = self.f, obj.get
         if f["messages"] in obj:
             return self.chat(obj[f["messages"]])
@@ -241,12 +234,12 @@ class Shaper:
             user, inp = text(obj[f["instruction"]], f["instruction"]), get(f["input"])
             if inp is not None and type(inp) is not str:
                 raise Reject("non_string_content", f"{f['input']} is {type(inp).__name__}, not a string")
-            return [("user", user + "\n\n" + inp if inp and not inp.isspace() else user),
-                    ("assistant", text(get(f["output"]), f["output"]))]
+            user += "\n\n" + inp if inp and not inp.isspace() else ""
+            return [("user", user), ("assistant", text(get(f["output"]), f["output"]))]
         if f["text"] in obj:
             return [*self.head, ("assistant", text(obj[f["text"]], f["text"]))]
-        raise Reject("missing_content", f"no {f['messages']}, {f['prompt']}, {f['instruction']} or {f['text']} field "
-                     "(remap names with --field)")
+        raise Reject("missing_content", f"no {f['messages']}, {f['prompt']}, {f['instruction']} or "
+                     f"{f['text']} field (remap names with --field)")
 
     def record(self, raw: bytes, lineno: int, fname: str) -> tuple:
         """(output line, split, record_id key, content key, the provenance fields derived) or Reject."""
@@ -259,7 +252,7 @@ class Shaper:
             obj, end = SCAN(line, 0)
             if end != len(line) and not line[end:].isspace():
                 raise ValueError
-        except UnicodeDecodeError as e:
+        except UnicodeDecodeError as e:  # a ValueError too
             raise Reject("non_utf8", f"byte {e.start}: {e.reason}") from None
         except (StopIteration, ValueError):
             try:  # json.loads for its message (and a byte-order mark that starts a file)
@@ -275,8 +268,10 @@ class Shaper:
             try:  # JSON may escape half a UTF-16 pair: such a string has no UTF-8 form
                 json.dumps(obj, ensure_ascii=False).encode()
             except UnicodeEncodeError:
-                raise Reject("non_utf8", "a string holds half a UTF-16 surrogate pair (a lone \\ud800 escape)") from None
-        rid, w, src = obj.get(f["record_id"], MISSING), obj.get(f["weight"], MISSING), obj.get(f["source"], MISSING)
+                raise Reject("non_utf8", "a string holds half a UTF-16 surrogate pair (a lone \\ud800 "
+                             "escape)") from None
+        get = obj.get
+        rid, w, src = get(f["record_id"], MISSING), get(f["weight"], MISSING), get(f["source"], MISSING)
         if rid is not MISSING and not (type(rid) is int or type(rid) is str and rid and not rid.isspace()):
             raise Reject("bad_record_id", f"record_id {rid!r} is not a non-empty string or an integer")
         if w is not MISSING and (type(w) not in (int, float) or not 0 <= w <= sys.float_info.max):
@@ -284,19 +279,29 @@ class Shaper:
         if src is not MISSING and (type(src) is not str or not src or src.isspace()):
             raise Reject("bad_source", f"source {src!r} is not a non-empty string")
         mj = "[" + ", ".join([f'{{"role": "{r}", "content": {ENC(c)}}}' for r, c in turns]) + "]"
-        cd = sha256(mj.encode()).digest()[:16]
+        cd = sha256(mj.encode()).digest()[:16]  # the content's key
         key = "content:" + cd.hex() if rid is MISSING else str(rid)
-        rd = sha256(key.encode()).digest()[:16]
-        line = (f'{{"messages": {mj}, "record_id": {ENC(key)}, "weight": {1.0 if w is MISSING else float(w) + 0.0!r}, '
+        rd = sha256(key.encode()).digest()[:16]  # the record_id's key: its first 8 bytes pick the split
+        weight = 1.0 if w is MISSING else float(w) + 0.0  # + 0.0: -0.0 is written 0.0
+        line = (f'{{"messages": {mj}, "record_id": {ENC(key)}, "weight": {weight!r}, '
                 f'"source": {ENC(fname if src is MISSING else src)}}}\n')
-        split = 0 if rd[:8] < self.bounds[0] else 1 if rd[:8] < self.bounds[1] else 2
         derived = tuple(k for k, v in (("record_id", rid), ("weight", w), ("source", src)) if v is MISSING)
+        split = 0 if rd[:8] < self.bounds[0] else 1 if rd[:8] < self.bounds[1] else 2
         return line.encode(), split, int.from_bytes(rd, "big"), int.from_bytes(cd, "big"), derived
 
+    def chunk(self, fname: str, base: int, lines: list[bytes]) -> list[tuple]:
+        """A pool worker's task: each line's record (a 5-tuple), or its (reason, detail)."""
+        out, record = [], self.record
+        for n, raw in enumerate(lines, base + 1):
+            try:
+                out.append(record(raw, n, fname))
+            except Reject as e:
+                out.append(e.args)
+        return out
 
-def init_worker(s: dict, parent: int) -> None:
-    """A pool worker: signals are the exporter's; it leaves when the exporter is gone."""
-    W["shaper"] = Shaper(s)
+
+def init_worker(parent: int) -> None:
+    """A pool worker: signals are the exporter's; it leaves when the exporter is gone (even SIGKILLed)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
@@ -308,42 +313,31 @@ def watch_parent(pid: int) -> None:
     os._exit(1)
 
 
-def shape_chunk(fname: str, base: int, lines: list[bytes]) -> list[tuple]:
-    """Each line's record (a 5-tuple), or its (reason, detail)."""
-    out, record = [], W["shaper"].record
-    for n, raw in enumerate(lines, base + 1):
-        try:
-            out.append(record(raw, n, fname))
-        except Reject as e:
-            out.append(e.args)
-    return out
-
-
 # ---- the export: first duplicate wins, every line accounted for ---------------------------------
 def run_export(sources: list[dict], tmp: Path, s: dict, workers: int = 1) -> dict:
     """Every line of the sources into tmp/{train,valid,test,rejects}.jsonl; returns the facts. A process
     pool shapes the chunks (2 per worker in flight); this process takes their results in input order,
     so the output does not depend on `workers`."""
-    r = {"outs": {k: open(tmp / f"{k}.jsonl", "wb") for k in (*SPLITS, "rejects")}, "rids": {}, "contents": set(),
+    r = {"outs": {k: open(tmp / f"{k}.jsonl", "wb") for k in (*SPLITS, "rejects")}, "rids": {},
+         "contents": set(), "workers": set(), "by_reason": dict.fromkeys(REASONS, 0),
          "counts": dict.fromkeys(("input", "exported", "rejected", "duplicates", *SPLITS), 0),
-         "by_reason": dict.fromkeys(REASONS, 0), "derived": dict.fromkeys(("record_id", "weight", "source"), 0)}
-    workers, pending, r["workers"] = max(workers, 1), deque(), set()
-    pool = ProcessPoolExecutor(workers, initializer=init_worker, initargs=(s, os.getpid()))
+         "derived": dict.fromkeys(("record_id", "weight", "source"), 0)}
+    shaper, workers, pending = Shaper(s), max(workers, 1), []
+    pool = ProcessPoolExecutor(workers, initializer=init_worker, initargs=(os.getpid(),))
     try:
-        for task in tasks(sources, Shaper(s).limit):
-            pending.append((task, pool.submit(shape_chunk, *task)))
+        for task in tasks(sources, shaper.limit):
+            pending.append((task, pool.submit(shaper.chunk, *task)))
             r["workers"].update(multiprocessing.active_children())  # the pool starts them as work arrives
             while len(pending) > 2 * workers:
-                take(r, *pending.popleft())
+                take(r, *pending.pop(0))
         while pending:
-            take(r, *pending.popleft())
+            take(r, *pending.pop(0))
         pool.shutdown()  # all done: the workers leave before this process goes on
     except BrokenProcessPool:
         for p in multiprocessing.active_children():
             p.kill()
-        W["broken"] = True
-        raise fail("an export worker process died (killed; the out-of-memory killer?): export again, with fewer "
-                   "--workers if memory is short", "export-crashed") from None
+        raise fail("an export worker process died (killed; the out-of-memory killer?): export again, with "
+                   "fewer --workers if memory is short", "export-crashed") from None
     finally:
         for f in r["outs"].values():
             f.close()
@@ -351,14 +345,16 @@ def run_export(sources: list[dict], tmp: Path, s: dict, workers: int = 1) -> dic
     c = r["counts"]
     c.update(input=sum(x["lines"] for x in sources), rejected=sum(r["by_reason"].values()),
              exported=c["train"] + c["valid"] + c["test"])
-    r["files"] = {f"{k}.jsonl": {"sha256": sha256_file(tmp / f"{k}.jsonl"), "bytes": (tmp / f"{k}.jsonl").stat().st_size,
-                                 "records": c.get(k, c["rejected"])} for k in r.pop("outs")}
+    files = {k: tmp / f"{k}.jsonl" for k in r.pop("outs")}
+    r["files"] = {f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size,
+                           "records": c.get(k, c["rejected"])} for k, f in files.items()}
     return r
 
 
 def result_of(future, workers: set) -> list:
-    """The chunk's records. A worker killed while it sends its result leaves half a message in the pipe, and
-    ProcessPoolExecutor then waits for the rest for ever (CPython 3.11): so look at the workers every second."""
+    """The chunk's records. A worker killed while it sends its result leaves half a message in the pipe,
+    and ProcessPoolExecutor then waits for the rest for ever (CPython 3.11): so look at the workers every
+    second."""
     while True:
         try:
             return future.result(timeout=1)
@@ -367,19 +363,21 @@ def result_of(future, workers: set) -> list:
                 raise BrokenProcessPool from None
 
 
-def take(r: dict, task: tuple, result) -> None:
+def take(r: dict, task: tuple, future) -> None:
     """Write one chunk's records (those not seen before) and rejects."""
     (fname, base, lines), outs, rids, contents, c = task, r["outs"], r["rids"], r["contents"], r["counts"]
-    for n, rec in enumerate(result_of(result, r["workers"]), base + 1):
+    for n, rec in enumerate(result_of(future, r["workers"]), base + 1):
         if len(rec) == 5 and rids.setdefault(rec[2], rec[3]) != rec[3]:
-            rec = ("record_id_conflict", "this record_id was seen earlier with other messages; give one its own")
+            rec = ("record_id_conflict", "this record_id was seen earlier with other messages; give one its "
+                   "own")
         if len(rec) == 2:
             r["by_reason"][rec[0]] += 1
             raw = lines[n - base - 1]
-            outs["rejects"].write((json.dumps({
-                "file": fname, "line": n, "reason": rec[0], "detail": rec[1], "raw_bytes": len(raw),
-                "raw": raw[:RAW_PREFIX].decode("utf-8", "backslashreplace"), "see": f"RUNBOOK.md#reject-{rec[0]}"},
-                ensure_ascii=False, separators=(", ", ": ")) + "\n").encode(errors="backslashreplace"))
+            reject = {"file": fname, "line": n, "reason": rec[0], "detail": rec[1], "raw_bytes": len(raw),
+                      "raw": raw[:RAW_PREFIX].decode("utf-8", "backslashreplace"),
+                      "see": f"RUNBOOK.md#reject-{rec[0]}"}
+            line = json.dumps(reject, ensure_ascii=False) + "\n"
+            outs["rejects"].write(line.encode(errors="backslashreplace"))
         elif rec[3] in contents:
             c["duplicates"] += 1
         else:
@@ -394,13 +392,14 @@ def build_manifest(name: str, sources: list[dict], r: dict, s: dict) -> dict:
     bounds = Shaper(s).bounds
     return {
         "dataset": name,
-        "exporter": {"script": "bin/export.py", "version": EXPORTER_VERSION, "script_sha256": sha256_file(__file__)},
+        "exporter": {"script": "bin/export.py", "version": EXPORTER_VERSION,
+                     "script_sha256": sha256_file(__file__)},
         "counts": r["counts"], "rejects_by_reason": {k: v for k, v in r["by_reason"].items() if v},
         "derived": r["derived"], "files": r["files"],
         "dataset_sha256": digest_of({f"{k}.jsonl": r["files"][f"{k}.jsonl"]["sha256"] for k in SPLITS}),
         "split": {"key": "record_id", "ratios": as_json(s)["ratios"], "train_below": bounds[0].hex(),
-                  "valid_below": bounds[1].hex(), "rule": "h = the first 16 hex digits of sha256(record_id): train "
-                  "if h < train_below, else valid if h < valid_below, else test"},
+                  "valid_below": bounds[1].hex(), "rule": "h = the first 16 hex digits of sha256(record_id): "
+                  "train if h < train_below, else valid if h < valid_below, else test"},
         "sources": [{k: x[k] for k in ("path", "sha256", "bytes", "lines", "gzip")} for x in sources],
         "corpus_sha256": digest_of({x["path"]: x["sha256"] for x in sources}),
         "settings": as_json(s),
@@ -420,12 +419,15 @@ def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
         raise fail(f"{paths.rel(out)} exists and is no export ({e.args[0]}); to replace it on purpose: {fix}",
                    "export-dataset-bound") from None
     want, have = binding({"sources": sources, "settings": as_json(s)}), binding(m)
+    if have["settings"].get("roles") == {}:  # exported before the roles setting went: the same output
+        del have["settings"]["roles"]
     if have != want:
         differ = ["corpus files"] * (have["files"] != want["files"]) + [
-            k for k in DEFAULTS if have["settings"].get(k) != want["settings"].get(k)]
-        raise fail(f"{paths.rel(out)} is bound to another corpus or settings ({', '.join(differ)} differ): it holds "
-                   f"{describe(m)}, dataset_sha256 {str(m.get('dataset_sha256'))[:12]}; this export is of "
-                   f"{describe({'sources': sources})}. To replace it on purpose: {fix}", "export-dataset-bound")
+            k for k in {**DEFAULTS, **have["settings"]} if have["settings"].get(k) != want["settings"].get(k)]
+        raise fail(f"{paths.rel(out)} is bound to another corpus or settings ({', '.join(differ)} differ): "
+                   f"it holds {describe(m)}, dataset_sha256 {str(m.get('dataset_sha256'))[:12]}; this export "
+                   f"is of {describe({'sources': sources})}. To replace it on purpose: {fix}",
+                   "export-dataset-bound")
     if m.get("exporter", {}).get("version") != EXPORTER_VERSION:
         return "another exporter version"
     bad = [n for n, f in m["files"].items() if not (out / n).is_file() or sha256_file(out / n) != f["sha256"]]
@@ -453,42 +455,41 @@ def lock_and_clean(out: Path):
     return lock
 
 
-def report(r: dict) -> None:
-    """Counts and the accounting identity, rejects by reason, derived fields."""
-    c = r["counts"]
-    event("export_counts", **c)
-    ok = ["ok" if x else "MISMATCH" for x in (c["input"] == c["exported"] + c["rejected"] + c["duplicates"],
-                                              c["exported"] == c["train"] + c["valid"] + c["test"])]
-    print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + duplicates "
-          f"{c['duplicates']} {ok[0]}; exported {c['exported']} = train {c['train']} + valid {c['valid']} + test "
-          f"{c['test']} {ok[1]}", flush=True)
-    print(f"export_rejects {' '.join(f'{k} {v}' for k, v in r['by_reason'].items() if v) or 'none'}", flush=True)
-    event("export_derived", **r["derived"])
-
-
-def export(out: Path, args, sources: list[dict], s: dict) -> dict:
-    """Export into a temp folder beside `out` and swap it in, or fail leaving `out` as it was."""
+def export(out: Path, sources: list[dict], s: dict, workers: int) -> dict:
+    """Export into a temp folder beside `out`, report the counts, and swap it in (or fail leaving `out` as
+    it was); returns the manifest."""
     failed = out.parent / f"{out.name}.failed-rejects.jsonl"
     with atomic.atomic_dir(out) as tmp:
-        r = run_export(sources, tmp, s, args.workers)
+        r = run_export(sources, tmp, s, workers)
         c, limit = r["counts"], s["max_reject_ratio"] * r["counts"]["input"]
         if c["input"] == 0:
-            raise fail(f"the corpus has no lines ({', '.join(x['path'] for x in sources)}): pass the right CORPUS",
-                       "export-no-input")
-        report(r)
+            raise fail(f"the corpus has no lines ({', '.join(x['path'] for x in sources)}): pass the right "
+                       "CORPUS", "export-no-input")
+        event("export_counts", **c)
+        ok = [{True: "ok", False: "MISMATCH"}[x] for x in (
+            c["input"] == c["exported"] + c["rejected"] + c["duplicates"],
+            c["exported"] == c["train"] + c["valid"] + c["test"])]
+        print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + "
+              f"duplicates {c['duplicates']} {ok[0]}; exported {c['exported']} = train {c['train']} + valid "
+              f"{c['valid']} + test {c['test']} {ok[1]}", flush=True)
+        print(f"export_rejects {' '.join(f'{k} {v}' for k, v in r['by_reason'].items() if v) or 'none'}",
+              flush=True)
+        event("export_derived", **r["derived"])
         if c["rejected"] > limit:
             os.replace(tmp / "rejects.jsonl", failed)
-            raise fail(f"{c['rejected']} of {c['input']} lines rejected, over the threshold {s['max_reject_ratio']:g} x "
-                       f"input = {limit:g}; every rejected line (file, line, reason) is in {paths.rel(failed)}: fix the "
-                       "corpus, remap fields (--field), or raise max_reject_ratio knowingly", "export-too-many-rejects")
+            raise fail(f"{c['rejected']} of {c['input']} lines rejected, over the threshold "
+                       f"{s['max_reject_ratio']:g} x input = {limit:g}; every rejected line (file, line, "
+                       f"reason) is in {paths.rel(failed)}: fix the corpus, remap fields (--field), or raise "
+                       "max_reject_ratio knowingly", "export-too-many-rejects")
         if not all(c[k] for k in SPLITS):
-            raise fail(f"split(s) {', '.join(k for k in SPLITS if not c[k])} would be empty with {c['exported']} "
-                       f"exported records and ratios {'/'.join(f'{float(v):g}' for v in s['ratios'].values())}: add "
-                       "records or raise those ratios", "export-empty-split")
-        r["manifest"] = build_manifest(out.name, sources, r, s)
-        (tmp / "manifest.json").write_text(atomic.dumps_json(r["manifest"]), encoding="utf-8")
+            raise fail(f"split(s) {', '.join(k for k in SPLITS if not c[k])} would be empty with "
+                       f"{c['exported']} exported records and ratios "
+                       f"{'/'.join(f'{float(v):g}' for v in s['ratios'].values())}: add records or raise "
+                       "those ratios", "export-empty-split")
+        m = build_manifest(out.name, sources, r, s)
+        (tmp / "manifest.json").write_text(atomic.dumps_json(m), encoding="utf-8")
     failed.unlink(missing_ok=True)
-    return r
+    return m
 
 
 def main() -> int:
@@ -497,23 +498,22 @@ def main() -> int:
     t0 = time.monotonic()
     try:
         if args.dataset is not None and not paths.is_safe_name(args.dataset):
-            raise fail(f"DATASET {args.dataset!r} is not a safe folder name: use letters, digits, '.', '_', '-'",
-                       "export-bad-settings")
+            raise fail(f"DATASET {args.dataset!r} is not a safe folder name: use letters, digits, '.', '_', "
+                       "'-'", "export-bad-settings")
         out, s = paths.DATASETS / args.dataset if args.dataset else Path(args.out), resolve_settings(args)
         sources = corpus_files(args.corpus, out)
         with lock_and_clean(out):
-            why = why_export(out, args, sources, s)
-            if why is None:
+            if (why := why_export(out, args, sources, s)) is None:
                 m = read_manifest(out)
                 event("export_unchanged", dataset=paths.rel(out), corpus_sha256=m["corpus_sha256"][:12],
                       dataset_sha256=m["dataset_sha256"], why="the same corpus and settings: nothing written")
                 return 0
-            r = export(out, args, sources, s)
+            m = export(out, sources, s, args.workers)
     except RunbookError as e:
         return die(e)
     except KeyboardInterrupt:
         return die("interrupted: the previous dataset (if any) is unchanged", 130)
-    event("export_done", dataset=out.name, out=paths.rel(out), dataset_sha256=r["manifest"]["dataset_sha256"],
+    event("export_done", dataset=out.name, out=paths.rel(out), dataset_sha256=m["dataset_sha256"],
           why=why, wall_s=round(time.monotonic() - t0, 2))
     return 0
 
@@ -521,9 +521,10 @@ def main() -> int:
 if __name__ == "__main__":
     try:
         code = main()
-    except SystemExit as e:  # SIGTERM's handler unwinds (the temp folder goes); a worker may have died mid-send too
-        code, W["broken"] = e.code if isinstance(e.code, int) else 1, True
-    if W.get("broken"):  # the pool's own thread may still wait on a dead worker's half-sent result: do not join it
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    except SystemExit as e:  # from SIGTERM's handler, once the temp folder is gone
+        code = e.code if isinstance(e.code, int) else 1
+    # Not sys.exit: after a worker died mid-send (SIGKILL, or SIGTERM to the process group) the pool's own
+    # thread waits for ever on the half-sent result (see result_of), and a normal exit would join it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
