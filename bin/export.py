@@ -47,7 +47,7 @@ FIELDS = ("messages", "prompt", "completion", "response", "instruction", "input"
 REASONS = ("blank_line", "non_utf8", "invalid_json", "not_an_object", "missing_content", "empty_content",
            "non_string_content", "bad_messages", "role_order", "bad_weight", "bad_record_id", "bad_source",
            "record_id_conflict", "too_long")
-DEFAULTS = {"fields": {}, "ratios": {"train": 0.9, "valid": 0.05, "test": 0.05},
+DEFAULTS = {"fields": {}, "roles": {}, "ratios": {"train": 0.9, "valid": 0.05, "test": 0.05},
             "max_reject_ratio": 0.001, "max_chars": 50000, "text_system_prompt": "",
             "text_user_prompt": "Write a passage from the reference documentation."}
 FLAGS = {"ratios": str, "max_reject_ratio": float, "max_chars": int, "text_system_prompt": str,
@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML with the keys of configs/export.yaml")
     p.add_argument("--replace", action="store_true", help="replace a dataset of another corpus or settings")
     p.add_argument("--field", action="append", default=[], metavar="CANONICAL=NAME", help="e.g. text=body")
+    p.add_argument("--role", action="append", default=[], metavar="FROM=TO", help="e.g. human=user")
     for key, kind in FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), type=kind, help=f"configs/export.yaml's {key}")
     p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4),
@@ -90,26 +91,28 @@ def resolve_settings(args) -> dict:
         except (OSError, yaml.YAMLError, TypeError, ValueError) as e:
             raise fail(f"cannot read config {args.config} as a mapping of settings: {e}",
                        "export-bad-settings") from e
-    for k, sep, v in (item.partition("=") for item in args.field):
-        if not (sep and k and v and isinstance(s["fields"], dict)):
-            raise fail(f"--field {k}{sep}{v}: expected CANONICAL=NAME, e.g. --field text=body",
-                       "export-bad-settings")
-        s["fields"][k] = v
+    for key, items in (("fields", args.field), ("roles", args.role)):
+        for k, sep, v in (item.partition("=") for item in items):
+            if not (sep and k and v and isinstance(s[key], dict)):
+                raise fail(f"--{key[:-1]} {k}{sep}{v}: expected KEY=VALUE, e.g. --field text=body",
+                           "export-bad-settings")
+            s[key][k] = v
     s.update({k: v for k in FLAGS if (v := getattr(args, k)) is not None})
     if isinstance(s["ratios"], str):  # --ratios 0.9,0.05,0.05
         s["ratios"] = dict(zip(SPLITS, s["ratios"].split(","), strict=False))
     ratios = s["ratios"] if isinstance(s["ratios"], dict) and set(s["ratios"]) == set(SPLITS) else {}
     r, mrr = {k: number(ratios.get(k)) for k in SPLITS}, number(s["max_reject_ratio"])
-    fields, unknown = s["fields"], sorted(set(s) - set(DEFAULTS))
+    fields, roles, unknown = s["fields"], s["roles"], sorted(set(s) - set(DEFAULTS))
     odd = sorted(set(fields) - set(FIELDS)) if isinstance(fields, dict) else [repr(fields)]
     checks = [  # (wrong?, what it must be)
         (unknown, f"unknown key(s) {', '.join(unknown)} (known: {', '.join(DEFAULTS)})"),
         (odd, f"unknown canonical field(s) {', '.join(odd)} (fields maps canonical names to the corpus's, "
               f"e.g. {{text: body}}; known: {', '.join(FIELDS)})"),
+        (not isinstance(roles, dict) or not set(roles.values()) <= {"system", "user", "assistant"},
+         "roles must map corpus roles to system|user|assistant, e.g. {human: user, gpt: assistant}"),
         *[(r[k] is None or r[k] <= 0, f"ratios.{k} must be > 0 (each split gets records)") for k in SPLITS],
         (mrr is None or not 0 <= mrr <= 1, "max_reject_ratio must be a number within 0..1"),
-        (type(s["max_chars"]) is not int or s["max_chars"] <= 0,
-         f"max_chars must be a positive integer, not {s['max_chars']!r}"),
+        (type(s["max_chars"]) is not int or s["max_chars"] <= 0, "max_chars must be a positive integer"),
         (not isinstance(s["text_system_prompt"], str) or not str(s["text_user_prompt"]).strip(),
          "text_system_prompt must be a string and text_user_prompt a non-empty string")]
     if bad := [what for wrong, what in checks if wrong]:
@@ -190,10 +193,11 @@ def text(v, what: str) -> str:
 
 
 class Shaper:
-    """Corpus lines to output lines, with the settings' field names, prompts and limits."""
+    """Corpus lines to output lines, with the settings' field names, roles, prompts and limits."""
 
     def __init__(self, s: dict):
         self.f = {k: k for k in FIELDS} | s["fields"]  # canonical name -> the corpus's own
+        self.roles = {"system": "system", "user": "user", "assistant": "assistant"} | s["roles"]
         self.head = [("system", s["text_system_prompt"])] * bool(s["text_system_prompt"])
         self.head.append(("user", s["text_user_prompt"]))
         self.max_chars, self.limit = s["max_chars"], 8 * s["max_chars"] + (1 << 16)  # JSON: < 6 bytes a char
@@ -210,9 +214,11 @@ class Shaper:
             raise Reject("empty_content", f"{f['messages']} is an empty list")
         out = []
         for i, msg in enumerate(m):
-            if (role := msg.get(f["role"])) not in ("system", "user", "assistant"):
-                raise Reject("role_order", f"message {i} has role {role!r}, not system/user/assistant")
-            out.append((role, text(msg.get(f["content"]), f"message {i} {f['content']}")))
+            role = msg.get(f["role"])
+            if type(role) is not str or role not in self.roles:
+                raise Reject("role_order", f"message {i} has role {role!r}, not system/user/assistant "
+                             "(map it with --role FROM=TO)")
+            out.append((self.roles[role], text(msg.get(f["content"]), f"message {i} {f['content']}")))
         start = int(out[0][0] == "system")
         for i, (role, _) in enumerate(out[start:], start):
             if role != ("user", "assistant")[(i - start) % 2]:
@@ -419,11 +425,9 @@ def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
         raise fail(f"{paths.rel(out)} exists and is no export ({e.args[0]}); to replace it on purpose: {fix}",
                    "export-dataset-bound") from None
     want, have = binding({"sources": sources, "settings": as_json(s)}), binding(m)
-    if have["settings"].get("roles") == {}:  # exported before the roles setting went: the same output
-        del have["settings"]["roles"]
     if have != want:
         differ = ["corpus files"] * (have["files"] != want["files"]) + [
-            k for k in {**DEFAULTS, **have["settings"]} if have["settings"].get(k) != want["settings"].get(k)]
+            k for k in DEFAULTS if have["settings"].get(k) != want["settings"].get(k)]
         raise fail(f"{paths.rel(out)} is bound to another corpus or settings ({', '.join(differ)} differ): "
                    f"it holds {describe(m)}, dataset_sha256 {str(m.get('dataset_sha256'))[:12]}; this export "
                    f"is of {describe({'sources': sources})}. To replace it on purpose: {fix}",

@@ -1,7 +1,7 @@
 """export (issues #4, #13, #15): bin/export.py and `make export`, through the operator's entry points.
 
 Covers every reject reason, the accounting identity, the input shapes and the text-to-chat
-rule, field remaps, gzip and globs, derived record ids, stable splits under additions, first-wins
+rule, remaps, gzip and globs, derived record ids, stable splits under additions, first-wins
 dedup, determinism (also across --workers and argument order), atomicity (threshold failure,
 empty split, SIGTERM and SIGKILL mid-export, a killed worker), a dataset bound to its corpus
 and settings (refused, replaced on purpose, a no-op when the same), and mlx-lm reading and
@@ -159,16 +159,18 @@ def test_text_to_chat_prompts_come_from_config_and_command_line(tmp_path):
     assert manifest(out)["settings"]["text_user_prompt"] == "Go on."
 
 
-def test_field_remaps(tmp_path):
+def test_field_and_role_remaps(tmp_path):
     items = [{"id": f"x{i}", "body": f"text {i}", "origin": "o", "w": 0.5} for i in range(150)]
-    items += [{"id": "sg", "conversations": [{"from": "user", "value": "q"},
-                                             {"from": "assistant", "value": "a"}]}]
+    items += [{"id": "sg", "conversations": [{"from": "human", "value": "q"},
+                                             {"from": "gpt", "value": "a"}]}]
     corpus = write(tmp_path / "c.jsonl", items)
     cfg = tmp_path / "export.yaml"
-    cfg.write_text("fields: {text: body, record_id: id, messages: conversations}\n")
+    cfg.write_text("fields: {text: body, record_id: id, messages: conversations}\n"
+                   "roles: {human: user}\n")
     out = tmp_path / "ds"
     export(corpus, out=out, args=["--config", cfg, "--field", "source=origin", "--field", "weight=w",
-                                  "--field", "role=from", "--field", "content=value"])
+                                  "--field", "role=from", "--field", "content=value",
+                                  "--role", "gpt=assistant"])
     by_id = {r["record_id"]: r for r in records(out)}
     assert len(by_id) == 151 and by_id["x7"]["source"] == "o" and by_id["x7"]["weight"] == 0.5
     assert by_id["x7"]["messages"][-1] == {"role": "assistant", "content": "text 7"}
@@ -320,6 +322,7 @@ def test_bad_settings_and_inputs_name_the_fix(tmp_path):
         (["--config", cfg], "unknown key(s) ratio", "export-bad-settings"),
         (["--ratios", "0.9,0.1,0"], "ratios.test must be > 0", "export-bad-settings"),
         (["--field", "txt=body"], "unknown canonical field(s) txt", "export-bad-settings"),
+        (["--role", "gpt=bot"], "roles must map corpus roles", "export-bad-settings"),
     ]
     for args, text, anchor in cases:
         p = export(corpus, out=tmp_path / "ds", args=args, check=False)
@@ -625,21 +628,6 @@ def test_the_same_corpus_and_settings_again_change_nothing(tmp_path):
     (out / "valid.jsonl").write_text("damaged\n")  # a damaged copy of the same export is exported again
     p = export(corpus, out=out, args=["--max-chars", "900"])
     assert "export_done" in p.stdout and "damaged valid.jsonl" in p.stdout and tree_bytes(out) == before
-
-
-def test_a_dataset_exported_with_the_old_roles_setting_is_still_the_same_export(tmp_path):
-    """Manifests written before the roles setting went hold "roles": {}: the same corpus again changes nothing."""
-    out = tmp_path / "ds"
-    corpus = write(tmp_path / "c.jsonl", GOOD)
-    export(corpus, out=out)
-    m = manifest(out)
-    m["settings"]["roles"] = {}
-    (out / "manifest.json").write_text(json.dumps(m))
-    assert "export_unchanged" in export(corpus, out=out).stdout
-    m["settings"]["roles"] = {"human": "user"}  # roles that changed the output: refused, named
-    (out / "manifest.json").write_text(json.dumps(m))
-    p = export(corpus, out=out, check=False)
-    assert p.returncode == 1 and "(roles differ)" in p.stderr
 
 
 def test_a_folder_that_is_no_export_is_refused(tmp_path):
