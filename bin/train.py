@@ -543,7 +543,7 @@ def write_checkpoint(r, step: int, final: bool, val_loss: float | None) -> tuple
     config = atomic.dumps_json(adapter_config(r, r.ckroot / ckpt.name_of(step)))
     state = {"config": r.cfg, "config_sha256": r.chash, "dataset_sha256": r.ds_sha,
              "files_sha256": r.files_sha, "world_size": r.coll.size, "shards": r.shards, "final": final,
-             "iters": r.cfg["iters"], "launch_id": r.args.launch_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+             "iters": r.cfg["iters"], "launch_id": r.args.launch_id, "time": time.strftime("%FT%T%z"),
              "rng": {"mx_key": [int(k[0]), int(k[1])]}, "val_loss": val_loss, "window": r.window,
              "data": {"n_batches": len(r.plans[0]), "epoch": r.order.epoch, "pos": r.order.pos},
              "trained_tokens": r.trained_tokens, "initial_loss": r.initial_loss, "val0": r.val0}
@@ -758,7 +758,7 @@ def finish(r, wall: float) -> int:
     run made the model no better, then `done` naming the best-by-validation checkpoint: an mlx-lm
     adapter folder as it is."""
     iters, rep = r.cfg["iters"], r.rep
-    if r.cfg["test"] and r.test_set is not None:
+    if r.cfg["test"]:  # load_data made sure the split is there
         tic = time.perf_counter()
         test_loss = run_eval(r, r.test_set, r.cfg["test_batches"], "test")
         ppl = math.exp(test_loss) if test_loss < 700 else float("inf")
@@ -773,13 +773,12 @@ def finish(r, wall: float) -> int:
         rep.warn(msg)
         rep.event("warning", iters, what="no-improvement", loss=r.last_val[1], val_loss_step0=r.val0,
                   message=msg)
-    best = ckpt.best(r.ckroot)
-    best_path = r.ckroot / best[0] if best else None
-    rep.line("done", step=iters, wall_s=wall, checkpoint_s=r.ckpt_time, adapter=r.adapters,
-             best=best[0] if best else "-", best_adapter=best_path or "-")
-    rep.event("done", iters, checkpoint_s=round(r.ckpt_time, 4), train_wall_s=round(wall, 4),
-              best=best[0] if best else None, best_val_loss=best[1] if best else None,
-              best_adapter=str(best_path) if best_path else None, world_change=r.world_change)
+    name, val_loss = ckpt.best(r.ckroot) or (None, None)
+    best = str(r.ckroot / name) if name else None
+    rep.line("done", step=iters, wall_s=wall, checkpoint_s=r.ckpt_time, adapter=r.adapters, best=name or "-",
+             best_adapter=best or "-")
+    rep.event("done", iters, checkpoint_s=round(r.ckpt_time, 4), train_wall_s=round(wall, 4), best=name,
+              best_val_loss=val_loss, best_adapter=best, world_change=r.world_change)
     return 0
 
 
