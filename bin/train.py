@@ -474,6 +474,9 @@ def start(r):
         resume(r, picked, st)
     # mlx-lm's report window (mean losses, tokens and steps since the last report), over every rank
     r.window = st.get("window", {"loss": 0.0, "tokens": 0, "steps": 0})
+    if not isinstance(r.window["loss"], float):  # written by the trainer before 2026-11-24: one window per rank
+        raise RunbookError(f"checkpoint step {st['step']} was written by an older trainer (a report window per "
+                           "rank): resume it with the commit that started the run, or start a new RUN", "resume")
     r.start, r.trained_tokens = st.get("step", 0), st.get("trained_tokens", 0)
     r.initial_loss, r.val0, r.last_val = st.get("initial_loss"), st.get("val0"), None
     r.train_time, r.ckpt_time, r.grad = 0.0, 0.0, None
@@ -703,8 +706,6 @@ def train(r) -> int:
     rep.step = r.start
     if coll.rank == 0:
         rep.metrics = open(r.run_dir / "metrics.jsonl", "a", encoding="utf-8")
-        if cfg["report_to"]:  # mlx-lm's WandBCallback is not wired in: no issue asks for it
-            rep.warn(f"report_to: {cfg['report_to']} is not supported here; the metrics are in metrics.jsonl")
         ckpt.sweep_temporaries(r.ckroot)
         atomic.write_json(r.adapters / "adapter_config.json", adapter_config(r, r.adapters))
         if r.world_change:

@@ -6,7 +6,7 @@
     hostfile, remote                mlx.launch's hostfile; a command on a host over ssh (check_parity,
                                     sync, provision, calibrate, plan, run, status; launch)
     config                          run configs, mlx-lm lora keys (train, calibrate, plan, compare; launch)
-    dataset                         the dataset manifest: reader, corpus binding (export, sync, check_parity)
+    dataset                         the dataset manifest: reader, corpus binding (export, sync, check_parity, train)
     checkpoint                      crash-safe checkpoints and resume rules (train writes, smoke verifies)
     launch                          launch, watchdog, sweep, fetch, categorize, restarts (smoke, run);
                                     run manifests, reproduce.sh and provenance (compare, plan, calibrate)

@@ -59,7 +59,7 @@ DEFAULTS: dict[str, Any] = {
     "max_seq_length": 2048, "grad_checkpoint": False, "grad_accumulation_steps": 1,
     "clear_cache_threshold": 0, "lr_schedule": None,
     "lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 20.0}, "mask_prompt": False,
-    "report_to": None, "project_name": None, "trust_remote_code": False, "chat_feature": "messages",
+    "trust_remote_code": False, "chat_feature": "messages",
     "prompt_feature": "prompt", "completion_feature": "completion", "text_feature": "text",
     # ---- runbook keys ----
     "keep_last_k": 3,        # checkpoints kept besides the best-by-validation and the final one (>= 2)
@@ -73,13 +73,15 @@ DEFAULTS: dict[str, Any] = {
 }
 
 # mlx-lm keys that are refused with the reason (they mean something else in a runbook run).
+NO_REPORTING = "no reporting service is wired in: the metrics are in runs/<RUN>/metrics.jsonl; remove the key"
 REFUSED = {"hf_dataset": "Hugging Face datasets are not used: export to datasets/NAME and set data",
            "adapter_path": "the trainer writes the adapter to RUN_DIR/adapters; remove the key",
+           "report_to": NO_REPORTING, "project_name": NO_REPORTING,
            "config": "a config cannot name another config"}
 
 # Keys a resume may change; everything else is in config_hash() and must match.
-RESUMABLE = {"model", "data", "iters", "steps_per_report", "save_every", "keep_last_k", "watchdog_s", "report_to",
-             "project_name", "test", "test_batches", "clear_cache_threshold", "trust_remote_code", "resume_adapter_file"}
+RESUMABLE = {"model", "data", "iters", "steps_per_report", "save_every", "keep_last_k", "watchdog_s", "test",
+             "test_batches", "clear_cache_threshold", "trust_remote_code", "resume_adapter_file"}
 
 
 def _int(lo: int, *allow: int):
@@ -138,8 +140,7 @@ CHECKS = {
     "save_every": _int(1), "test": _bool, "test_batches": _int(0, -1), "max_seq_length": _int(2),
     "grad_checkpoint": _bool, "grad_accumulation_steps": _int(1), "clear_cache_threshold": _int(0),
     "lr_schedule": _schedule, "lora_parameters": _lora, "mask_prompt": _bool,
-    "report_to": _is("null or wandb (the only reporting service this trainer supports)", lambda v: v in (None, "wandb")),
-    "project_name": _opt_str, "trust_remote_code": _bool, "chat_feature": _str, "prompt_feature": _str,
+    "trust_remote_code": _bool, "chat_feature": _str, "prompt_feature": _str,
     "completion_feature": _str, "text_feature": _str, "keep_last_k": _int(2),
     "watchdog_s": _opt_pos,
     "divergence_factor": _num(1.0, strict=True), "divergence_window": _int(0),

@@ -54,7 +54,7 @@ env.sh, which puts the shims first on PATH and exports HOSTFILE, REMOTE_ROOT,
 SSH_CONFIG, PYTHON and RSYNC_RSH. ~/.ssh is never read or written.
 
 Fault actions (also a Python API, `Fabric`): sshd-stop, sshd-start, link-cut,
-link-restore, freeze, thaw, kill (processes matching --pattern on HOST),
+link-throttle (--rate, tc tbf), link-restore, freeze, thaw, kill (processes matching --pattern on HOST),
 disk (a tmpfs REMOTE_ROOT of --size), disk-restore, shadow (HOST's python sees
 --package at --version), python-hide (the venv is absent on HOST),
 python-restore, restore-all.
@@ -1035,9 +1035,20 @@ class Fabric:
             self._save()
         event("fabric fault", host=name, link="cut")
 
+    def throttle_link(self, name: str, rate: str = "2mbit") -> None:
+        """A slow cable: host `name`'s switch port sends to it at `rate` (tc tbf), everything else as before."""
+        with self._locked():
+            sh(["tc", "qdisc", "replace", "dev", self.host(name)["veth"], "root", "tbf", "rate", rate,
+                "burst", "32kbit", "latency", "400ms"])
+            self._faults(name)["link"] = f"throttled {rate}"
+            self._save()
+        event("fabric fault", host=name, link=f"throttled-{rate}")
+
     def restore_link(self, name: str) -> None:
+        """The port up and unthrottled."""
         with self._locked():
             veth = self.host(name)["veth"]
+            subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], capture_output=True)  # none: nothing to do
             sh(["ip", "link", "set", "dev", veth, "up"])
             wait_for(f"{veth} carrier", lambda: Path(f"/sys/class/net/{veth}/operstate").read_text().strip() == "up",
                      time.monotonic() + 3)
@@ -1260,7 +1271,7 @@ def sweep() -> int:
     return 0
 
 
-FAULTS = ("sshd-stop", "sshd-start", "link-cut", "link-restore", "freeze", "thaw", "kill", "disk",
+FAULTS = ("sshd-stop", "sshd-start", "link-cut", "link-throttle", "link-restore", "freeze", "thaw", "kill", "disk",
           "disk-restore", "shadow", "python-hide", "python-restore", "restore-all")
 
 
@@ -1289,6 +1300,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("host", nargs="?")
     f.add_argument("--pattern", help="freeze/thaw/kill: regex over the command line (e.g. the run id)")
     f.add_argument("--size", default="8M", help="disk: tmpfs size (default 8M)")
+    f.add_argument("--rate", default="2mbit", help="link-throttle: tc tbf rate towards HOST (default 2mbit)")
     f.add_argument("--package", default="mlx", help="shadow: package (default mlx)")
     f.add_argument("--version", default="0.0.0+fabric", help="shadow: version to report")
     sub.add_parser("sweep", help="down fabrics under runs/ whose owning pytest session is gone")
@@ -1309,6 +1321,8 @@ def run_fault(fab: Fabric, a) -> int:
         fab.start_sshd(name)
     elif a.action == "link-cut":
         fab.cut_link(name)
+    elif a.action == "link-throttle":
+        fab.throttle_link(name, a.rate)
     elif a.action == "link-restore":
         fab.restore_link(name)
     elif a.action == "freeze":
