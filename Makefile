@@ -236,9 +236,10 @@ $(STAMPS)/control.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,runs/$(R
 
 ## compare: dual vs control vs base on the test split (TOLERANCE=0.02 MIN_SPEEDUP=1 MIN_GAIN=0 TEST_BATCHES=-1); writes runs/$(RUN)/compare/
 # Phony: evaluation is cheap and TOLERANCE may change; it always re-reads the run folders.
-# Train and control are order-only: built when missing, never re-run just because compare is.
+# Train and control are built when their stamp is missing, never re-run by compare (not even
+# when code, config or hostfile changed since: retraining is `make train`'s decision).
 .PHONY: compare
-compare: $(VENV)/.stamp | $(STAMPS)/train.$(RUN) $(STAMPS)/control.$(RUN)
+compare: $(VENV)/.stamp | $(if $(wildcard $(STAMPS)/train.$(RUN)),,$(STAMPS)/train.$(RUN)) $(if $(wildcard $(STAMPS)/control.$(RUN)),,$(STAMPS)/control.$(RUN))
 	$(PY) bin/compare.py --run $(RUN)$(if $(TOLERANCE), --tolerance $(TOLERANCE))$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))$(if $(MIN_GAIN), --min-gain $(MIN_GAIN))$(if $(TEST_BATCHES), --test-batches $(TEST_BATCHES))
 
 ## status: where RUN stands (step, ETA, loss, tok/s and last step per rank, checkpoint, failures, verdict); JSON=1; exit as check-parity

@@ -10,6 +10,7 @@ CI sets REQUIRE_MACOS_TOOLS=1 and builds them, so there a skip is a failure.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
@@ -80,6 +81,30 @@ def test_make_n_is_the_same_under_both_makes(make_bin, target):
     out = make("-n", target, *args, make_bin=make_bin).stdout
     assert out == make("-n", target, *args, make_bin="make").stdout
     assert "bin/" in out, out
+
+
+def test_compare_never_retrains_a_run_it_has(make_bin, tmp_path):
+    """`make compare` after a finished run only evaluates, under both makes, even when the config
+    and the hostfile are newer than the run's stamps (an edited comment, a fresh checkout); it
+    builds train and control only when their stamps are missing."""
+    run = f"cmpnoretrain-{os.getpid()}"
+    cfg, hf = tmp_path / "c.yaml", tmp_path / "h.json"
+    cfg.write_text((ROOT / "configs/smoke.yaml").read_text())
+    hf.write_text((ROOT / "hostfile.local.json").read_text())
+    stamps = [ROOT / ".stamps" / f"{stage}.{run}" for stage in ("smoke", "train", "control")]
+    args = [f"RUN={run}", f"CONFIG={cfg}", f"HOSTFILE={hf}", *STAGE_VARS[2:]]
+    try:
+        for st in stamps:
+            st.touch()
+            os.utime(st, (1, 1))  # 1970: older than every input
+        out = make("-n", "compare", *args, make_bin=make_bin).stdout
+        assert out.splitlines() == [f".venv/bin/python bin/compare.py --run {run}"], out
+        stamps[1].unlink()
+        out = make("-n", "compare", *args, make_bin=make_bin).stdout
+        assert "bin/run.py --stage train" in out and "--stage control" not in out, out
+    finally:
+        for st in stamps:
+            st.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("target", ["train", "control"])
