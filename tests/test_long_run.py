@@ -129,23 +129,68 @@ def test_status_during_and_after_a_run(fabric, reference):
     assert re.search(r"^\S+Z iter 8 rank 1 ", (ROOT / "runs/fab-long-ref/logs/launch-train.log").read_text(), re.M)
 
 
-def test_control_and_compare_on_the_fabric(fabric, long_cfg, reference):
+MIN_SPEEDUP = "0.4"  # the fabric's ranks share 2 cores: unthrottled, dual / control measured 0.87 here
+
+
+@pytest.fixture(scope="module")
+def control(fabric, long_cfg, reference):
+    """`make control` of the reference run on fab1 (one host: the link plays no part in it)."""
+    fmake(fabric, "control", *fab_vars(fabric, "fab-long-ref", CONFIG=str(long_cfg), CONTROL_HOST="fab1"))
+    return "fab-long-ref-control"
+
+
+def test_control_and_compare_on_the_fabric(fabric, control):
     """The rest of the chain on the released layout (#18): `make control` on fab1 with the same
     config, then `make compare`. With token-weighted gradients the dual run computes what the
     control computes (#19): compare's exactness check holds their step-1 loss to float error, and
-    the whole curve stays close. Speed is not judged here (MIN_SPEEDUP=0): the fabric's hosts
-    share this machine's 2 cores (bench/README.md#scaling)."""
+    every step's loss stays within it. It passes MIN_SPEEDUP, the threshold the throttled run
+    below fails."""
     run = "fab-long-ref"
-    fmake(fabric, "control", *fab_vars(fabric, run, CONFIG=str(long_cfg), CONTROL_HOST="fab1"))
-    p = fmake(fabric, "compare", *fab_vars(fabric, run), "MIN_SPEEDUP=0", "TEST_BATCHES=4", check=False)
+    p = fmake(fabric, "compare", *fab_vars(fabric, run), f"MIN_SPEEDUP={MIN_SPEEDUP}", "TEST_BATCHES=4", check=False)
     rep = json.loads((ROOT / f"runs/{run}/compare/report.json").read_text())
     assert p.returncode == 0 and rep["verdict"] == "pass", (p.stdout[-2000:], p.stderr[-2000:], rep["reasons"])
     exact = rep["loss"]["exact"]
     assert exact["ok"] and exact["step1_rel"] <= 1e-5 and exact["steps"] == 12, exact
     assert exact["max_rel"] <= 1e-5, exact  # every step's loss: 6e-7 measured; mlx-lm's averaging differs by ~1e-3
     assert rep["runs"]["control"]["world_size"] == 1 and rep["runs"]["dual"]["world_size"] == 2
-    dual, control = losses(run), losses(f"{run}-control")
-    assert dual.keys() == control.keys() and len(dual) == 12
+    dual, ctl = losses(run), losses(control)
+    assert dual.keys() == ctl.keys() and len(dual) == 12
+
+
+def test_a_throttled_link_is_predicted_and_called_link_bound(fabric_faults, long_cfg, control):
+    """#19: fab2's cable throttled to 300 kbit/s (tc tbf). `make calibrate` predicts the drop (the
+    gradient all-reduce takes most of a dual step); the same training, 4 steps of it, is then slower
+    than the control beyond MIN_SPEEDUP, and `make compare` calls it link-bound, naming that
+    calibration. The unthrottled run passes the same threshold (the test above)."""
+    fabric, run = fabric_faults, "fab-long-slow"
+    cfg = long_cfg.with_name("fab-long-slow.yaml")  # iters and save_every may differ: still comparable
+    cfg.write_text(long_cfg.read_text().replace("iters: 12", "iters: 4"))
+    before = set((ROOT / "runs").glob("calibration-*.json"))
+    fabric.throttle_link("fab2", "300kbit")
+    t0 = time.monotonic()
+    try:
+        fmake(fabric, "calibrate", *fab_vars(fabric, run, CONFIG=str(cfg)),
+              "CALIBRATE_ARGS=--budget-s 5 --max-batch 2 --steps 1 --max-bytes 4096")
+        (cal,) = set((ROOT / "runs").glob("calibration-*.json")) - before
+        sp = json.loads(cal.read_text())["speedup"]
+        print(f"throttled calibration ({time.monotonic() - t0:.0f} s):", {k: sp.get(k) for k in ("expected_speedup", "compute_bound_speedup",
+                                                                 "link_share", "t_grad_allreduce_s")})
+        assert sp["link_share"] >= 0.5 and sp["expected_speedup"] < 0.5 * sp["compute_bound_speedup"], sp
+        t, out = train(fabric, cfg, run)
+        p, summary = finish(t, out, run)
+        assert p.returncode == 0 and summary["ok"], (p.stderr[-3000:], summary)
+        shutil.copytree(ROOT / "runs" / control, ROOT / "runs" / f"{run}-control", dirs_exist_ok=True)
+        shutil.copy(ROOT / ".stamps" / "control.fab-long-ref", ROOT / ".stamps" / f"control.{run}")
+        p = fmake(fabric, "compare", *fab_vars(fabric, run), f"MIN_SPEEDUP={MIN_SPEEDUP}", "TEST_BATCHES=4",
+                  check=False)
+        rep = json.loads((ROOT / f"runs/{run}/compare/report.json").read_text())
+        print(f"throttled run and compare ({time.monotonic() - t0:.0f} s):", rep["throughput"], rep["reasons"])
+        assert p.returncode != 0 and rep["category"] == "the Thunder path itself", (rep["reasons"], p.stdout[-2000:])
+        assert rep["throughput"]["link_bound"] is True and rep["throughput"]["speedup"] < float(MIN_SPEEDUP)
+        assert f"link-bound: calibrate ({cal.relative_to(ROOT)})" in rep["reasons"][-1], rep["reasons"]
+    finally:
+        for f in set((ROOT / "runs").glob("calibration-*.json")) - before:
+            f.unlink()
 
 
 def test_rank_killed_mid_run_resumes_to_the_same_adapter(fabric_faults, long_cfg, reference):
