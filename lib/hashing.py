@@ -1,6 +1,6 @@
 """Content hashes: files, trees of files, and one digest over a {path: sha256} map.
 
-Used by sync, compare, export, plan, provision, train, calibrate, model, demo/make_tiny_model,
+Used by sync, compare, export, plan, provision, train, calibrate, model, make_tiny_model,
 lib.launch, lib.checkpoint and lib.dataset."""
 
 from __future__ import annotations
