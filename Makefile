@@ -287,7 +287,7 @@ DEMO_VARS = RUN=$(DEMO_RUN) HOSTFILE=$(DEMO_HOSTFILE) REMOTE_ROOT=$(DEMO_REMOTE_
 demo: $(VENV)/.stamp
 	$(MAKE) --no-print-directory tiny-model sample-corpus ARCH=gemma4
 	$(MAKE) --no-print-directory export $(DEMO_VARS) REPLACE=1
-	$(MAKE) --no-print-directory compare $(DEMO_VARS)
+	$(MAKE) --no-print-directory train control compare $(DEMO_VARS)
 	@echo "demo: report at runs/$(DEMO_RUN)/compare/report.md (curves: runs/$(DEMO_RUN)/compare/loss_curves.png)"
 
 # ---- test, bench, clean --------------------------------------------------------

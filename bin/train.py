@@ -473,10 +473,10 @@ def start(r):
     if st:
         resume(r, picked, st)
     # mlx-lm's report window (mean losses, tokens and steps since the last report), over every rank
-    r.window = st.get("window", {"loss": 0.0, "tokens": 0, "steps": 0})
-    if not isinstance(r.window["loss"], float):  # written by the trainer before 2026-11-24: one window per rank
-        raise RunbookError(f"checkpoint step {st['step']} was written by an older trainer (a report window per "
-                           "rank): resume it with the commit that started the run, or start a new RUN", "resume")
+    w = st.get("window", {"loss": 0.0, "tokens": 0, "steps": 0})
+    if isinstance(w["loss"], list):  # a checkpoint of the trainer before 2026-11-24: a window per rank
+        w = {"loss": sum(w["loss"]) / len(w["loss"]), "tokens": sum(w["tokens"]), "steps": w["steps"]}
+    r.window = w
     r.start, r.trained_tokens = st.get("step", 0), st.get("trained_tokens", 0)
     r.initial_loss, r.val0, r.last_val = st.get("initial_loss"), st.get("val0"), None
     r.train_time, r.ckpt_time, r.grad = 0.0, 0.0, None

@@ -203,6 +203,7 @@ def load_config(path: os.PathLike | str) -> dict:
     orchestrator passes them to the trainer on its command line)."""
     cfg = copy.deepcopy(DEFAULTS)
     data, lines = load_yaml(path)
+    data = {k: v for k, v in data.items() if not (k in REFUSED and v is None)}  # mlx-lm writes `report_to: null`
     cfg.update(copy.deepcopy(validate(data, str(path), lines)))
     return cfg
 

@@ -533,6 +533,8 @@ def test_config_floats_precedence_and_strictness(tmp_path):
     y.write_text("report_to: wandb\n")
     with pytest.raises(C.ConfigError, match=r"c\.yaml:1: key 'report_to' is not supported: no reporting service"):
         C.resolve(y, {"model": "m", "data": "d"})
+    y.write_text("report_to: null\nproject_name: null\n")  # as mlx-lm writes them: not set, so fine
+    assert "report_to" not in C.resolve(y, {"model": "m", "data": "d"})
     y.write_text("learning_rate: .inf\n")
     with pytest.raises(C.ConfigError) as e:
         C.resolve(y, {"model": "m", "data": "d"})
