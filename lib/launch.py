@@ -121,7 +121,8 @@ def export_section(dataset: str) -> list[str]:
     head = ["# --- stage: export ---", f"# The dataset {dataset} this run used (datasets/{dataset}/manifest.json):"]
     if not files:
         return head + ["# corpus not recorded in its manifest: re-export it with", f"# make export CORPUS=... DATASET={dataset}"]
-    head += [f"# corpus file {f['path']} sha256 {f.get('sha256', 'not recorded')}" for f in files]
+    shown = {f["path"]: f["path"].replace("\n", "\\n").replace("\r", "\\r") for f in files}  # a comment ends at \n
+    head += [f"# corpus file {shown[f['path']]} sha256 {f.get('sha256', 'not recorded')}" for f in files]
     head += [f"# corpus_sha256 {man.get('corpus_sha256', 'not recorded')}; "
              f"dataset_sha256 {man.get('dataset_sha256', 'not recorded')}"]
     s = man.get("settings") or {}

@@ -138,6 +138,21 @@ def test_reproduce_starts_with_the_export_that_made_the_dataset(tmp_path, monkey
     assert again["dataset_sha256"] == man["dataset_sha256"] and again["settings"] == man["settings"]
 
 
+def test_a_corpus_name_with_a_newline_cannot_become_a_command_in_reproduce_sh(tmp_path, monkeypatch):
+    """reproduce.sh names each corpus file in a comment; a newline in the name must not end it."""
+    import json
+    import shlex
+
+    monkeypatch.setattr(launch.paths, "DATASETS", tmp_path)
+    (tmp_path / "d").mkdir()
+    evil = "a.jsonl\ntouch pwned\n#"
+    (tmp_path / "d" / "manifest.json").write_text(json.dumps({"sources": [{"path": evil, "sha256": "ab"}]}))
+    launch.write_reproduce(tmp_path, "smoke", ["make", "smoke"], [], dataset="d")
+    lines = (tmp_path / "reproduce.sh").read_text().split("\n# --- stage: export ---\n", 1)[1].split("\n\n")[0]
+    cmds = [w for w in shlex.split(lines, comments=True)]
+    assert cmds[:2] == ["make", "export"] and f"CORPUS={evil}" in cmds and "touch" not in cmds, cmds
+
+
 def test_reproduce_says_when_the_corpus_is_not_recorded(tmp_path, monkeypatch):
     import json
 
