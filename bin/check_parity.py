@@ -105,8 +105,7 @@ def validate_inputs(args):
 def calibrated_peaks(model: str) -> tuple[dict, str]:
     """({host: peak bytes at the recommended per-rank batch, weights included}, file name) of the newest
     calibration of MODEL; ({}, "") when there is none."""
-    for path in sorted(paths.RUNS.glob("calibration-*.json"), reverse=True):
-        doc = json.loads(path.read_text(encoding="utf-8"))
+    for path, doc in paths.calibrations():
         if model and doc.get("model") == model:
             b, peaks = (doc.get("recommendation") or {}).get("per_rank_batch"), {}
             for host in doc.get("hosts", []):

@@ -289,8 +289,7 @@ def link_call(cal: dict | None) -> tuple[bool | None, str]:
 
 def calibration_of(dual: dict) -> dict | None:
     """The newest runs/calibration-*.json measured on the dual run's hosts with its model, or None."""
-    for path in sorted(paths.RUNS.glob("calibration-*.json"), reverse=True):
-        cal = launch.read_json(path)
+    for path, cal in paths.calibrations():
         sp = cal.get("speedup") or {}
         hosts = [h.get("ssh") for h in (cal.get("hostfile") or {}).get("hosts", [])]
         if hosts == dual["hosts"] and cal.get("model") == dual["model"] and "link_share" in sp:

@@ -17,6 +17,17 @@ CONFIGS = ROOT / "configs"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+def calibrations():
+    """(path, document) of each runs/calibration-*.json (`make calibrate`), newest first; an unreadable
+    one reads as {} (check-parity and compare each take the newest that fits)."""
+    for path in sorted(RUNS.glob("calibration-*.json"), reverse=True):
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            doc = {}
+        yield path, doc if isinstance(doc, dict) else {}
+
+
 def is_safe_name(name: str) -> bool:
     """Letters, digits, '.', '_', '-'; no leading punctuation, no '..'."""
     return bool(NAME_RE.match(name)) and ".." not in name
