@@ -107,8 +107,8 @@ tiny-model: models/tiny-$(ARCH)$(if $(filter released,$(LAYOUT)),-released)$(if 
 # another TINY_SEED (its stamp is rewritten only when the seed changes).
 # The folder name says what is in it: tiny-<arch>[-released][-q4|-q8].
 tiny_words = $(subst -, ,$*)
-models/tiny-%/config.json: bin/make_tiny_model.py $(VENV)/.stamp $(STAMPS)/tiny-%.seed
-	$(PY) bin/make_tiny_model.py --arch $(firstword $(tiny_words)) --seed $(TINY_SEED) --out models/tiny-$*$(if $(filter released,$(tiny_words)), --layout released)$(if $(filter q4 q8,$(tiny_words)), --quantize $(patsubst q%,%,$(filter q4 q8,$(tiny_words))))
+models/tiny-%/config.json: demo/make_tiny_model.py $(VENV)/.stamp $(STAMPS)/tiny-%.seed
+	$(PY) demo/make_tiny_model.py --arch $(firstword $(tiny_words)) --seed $(TINY_SEED) --out models/tiny-$*$(if $(filter released,$(tiny_words)), --layout released)$(if $(filter q4 q8,$(tiny_words)), --quantize $(patsubst q%,%,$(filter q4 q8,$(tiny_words))))
 
 .PRECIOUS: $(STAMPS)/tiny-%.seed
 $(STAMPS)/tiny-%.seed: export TINY_SEED_VALUE = $(TINY_SEED)
@@ -124,8 +124,8 @@ model: $(VENV)/.stamp
 .PHONY: sample-corpus
 sample-corpus: datasets/sample/corpus.jsonl
 
-datasets/sample/corpus.jsonl: bin/make_sample_corpus.py $(VENV)/.stamp
-	$(PY) bin/make_sample_corpus.py --out $@
+datasets/sample/corpus.jsonl: demo/make_sample_corpus.py $(VENV)/.stamp
+	$(PY) demo/make_sample_corpus.py --out $@
 
 # ---- stages, in pipeline order -------------------------------------------------
 ## export: CORPUS -> datasets/$(DATASET)/ (mlx-lm chat JSONL, splits, manifest, rejects); REPLACE=1 replaces another corpus's dataset
@@ -306,10 +306,10 @@ fabric-up: $(VENV)/.stamp
 fabric-down:
 	$(PY) tests/fabric.py down
 
-## lint: ruff over bin/ lib/ tests/ bench/
+## lint: ruff over bin/ lib/ tests/ bench/ demo/
 .PHONY: lint
 lint: $(VENV)/.stamp
-	$(VENV)/bin/ruff check bin lib tests bench
+	$(VENV)/bin/ruff check bin lib tests bench demo
 
 ## bench: run the benchmarks in bench/ (each prints a ratio against a same-run baseline)
 .PHONY: bench

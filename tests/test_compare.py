@@ -380,7 +380,7 @@ def world(tmp_path_factory):
     """A tiny model, a dataset under datasets/, and run-folder names; removed afterwards."""
     tag = f"cmptest-{uuid.uuid4().hex[:8]}"
     model = tmp_path_factory.mktemp("model") / "tiny-gemma4"
-    run([PY, "bin/make_tiny_model.py", "--arch", "gemma4", "--seed", "0", "--out", str(model)])
+    run([PY, "demo/make_tiny_model.py", "--arch", "gemma4", "--seed", "0", "--out", str(model)])
     ds = ROOT / "datasets" / tag
     ds.mkdir(parents=True)
     recs = chat_records()

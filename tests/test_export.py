@@ -552,7 +552,7 @@ def test_mlx_lm_loads_and_trains_on_the_export(tmp_path, tokenizer):
     from mlx_lm.tuner.datasets import ChatDataset, load_local_dataset
 
     corpus = tmp_path / "corpus.jsonl"
-    run([PY, "bin/make_sample_corpus.py", "--out", str(corpus)])
+    run([PY, "demo/make_sample_corpus.py", "--out", str(corpus)])
     out = tmp_path / "ds"
     export(corpus, out=out)
     train, valid, test = load_local_dataset(out, tokenizer, SimpleNamespace())

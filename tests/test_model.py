@@ -50,7 +50,7 @@ def hub(tmp_path_factory):
     snaps = {}
     for commit, seed in ((C1, 0), (C2, 1)):
         out = tmp / f"src-{seed}"
-        run([PY, "bin/make_tiny_model.py", "--arch", "gemma4", "--layout", "released", "--seed", str(seed),
+        run([PY, "demo/make_tiny_model.py", "--arch", "gemma4", "--layout", "released", "--seed", str(seed),
              "--out", str(out)])
         snaps[commit] = hub_cache(tmp / "hf" / "hub", REPO, out, commit, ("main", "v1.0") if seed == 0 else ())
     env = dict(os.environ, HF_HOME=str(tmp / "hf"), HF_HUB_CACHE=str(tmp / "hf" / "hub"), HF_HUB_OFFLINE="1",
@@ -161,7 +161,7 @@ def test_a_failed_build_leaves_the_old_folder_whole(hub, tmp_path):
     that was there stays as it was, and no temporary sibling is left."""
     env, _ = hub
     src = tmp_path / "src-q4"
-    run([PY, "bin/make_tiny_model.py", "--arch", "gemma4", "--layout", "released", "--quantize", "4",
+    run([PY, "demo/make_tiny_model.py", "--arch", "gemma4", "--layout", "released", "--quantize", "4",
          "--out", str(src)])
     repo = "thunder-test/tiny-gemma4-released-4bit"
     hub_cache(Path(env["HF_HUB_CACHE"]), repo, src, C1, ("main",))

@@ -78,7 +78,7 @@ def test_the_real_run_as_written_on_fresh_hosts(fresh_fabric, tmp_path):
     # The model comes the way the real one does: `make model` from a Hugging Face cache (built here,
     # offline) holding Gemma 4's released layout, quantized to 4 bits by mlx-lm's convert.
     model_src = tmp_path / "released"
-    run([PY, "bin/make_tiny_model.py", "--arch", "gemma4", "--layout", "released", "--out", str(model_src)])
+    run([PY, "demo/make_tiny_model.py", "--arch", "gemma4", "--layout", "released", "--out", str(model_src)])
     hub_cache(tmp_path / "hf" / "hub", HUB_REPO, model_src, "3" * 40, ("main",))
     # The demo recipe at 8 steps (make test's budget), in configs/ as an operator's own config would be
     # (sync sends configs/ with the code); CONFIG is a setting like the others.

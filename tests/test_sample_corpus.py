@@ -17,7 +17,7 @@ RID = re.compile(r"^pydoc-([a-z0-9-]+)-(\d{4})$")
 
 
 def write(out, *extra, check=True):
-    return run([PY, "bin/make_sample_corpus.py", "--out", str(out), *extra], check=check)
+    return run([PY, "demo/make_sample_corpus.py", "--out", str(out), *extra], check=check)
 
 
 @pytest.fixture(scope="module")
@@ -95,4 +95,4 @@ def test_too_few_records_fails_without_writing(tmp_path):
 
 def test_make_target_runs_the_script():
     p = make("-n", "-B", "sample-corpus")
-    assert "bin/make_sample_corpus.py --out datasets/sample/corpus.jsonl" in p.stdout
+    assert "demo/make_sample_corpus.py --out datasets/sample/corpus.jsonl" in p.stdout

@@ -1,13 +1,14 @@
 """The generated tiny models: load, generate, train through raw `mlx_lm lora`, deterministic; Gemma 4's
 released layout and the 4-bit forms load in mlx-lm and train with bin/train.py.
 
-Each model is generated once per session into a temp dir (bin/make_tiny_model.py, the
+Each model is generated once per session into a temp dir (demo/make_tiny_model.py, the
 script `make tiny-model` runs). Every mlx-lm call runs with HF_HUB_OFFLINE=1 and a dead
 proxy, so a hidden network access fails instead of passing.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import pytest
 from conftest import PY, ROOT, make, run
 
 from lib.hashing import sha256_file
+from lib.log import RunbookError
 
 ARCHS = ("gemma4", "llama")
 OFFLINE = {
@@ -30,7 +32,7 @@ TURN_MARKERS = {"gemma4": ("<|turn>", "<turn|>"), "llama": ("<|start_header_id|>
 
 
 def generate(arch: str, out, seed: int = 0):
-    return run([PY, "bin/make_tiny_model.py", "--arch", arch, "--seed", str(seed), "--out", str(out)],
+    return run([PY, "demo/make_tiny_model.py", "--arch", arch, "--seed", str(seed), "--out", str(out)],
                env=dict(os.environ, **OFFLINE))
 
 
@@ -54,7 +56,7 @@ def models(tmp_path_factory):
 def chat_data(tmp_path_factory):
     """A 3-split mlx-lm chat dataset made from sample-corpus records (both shapes)."""
     tmp = tmp_path_factory.mktemp("chat")
-    run([PY, "bin/make_sample_corpus.py", "--out", str(tmp / "corpus.jsonl")])
+    run([PY, "demo/make_sample_corpus.py", "--out", str(tmp / "corpus.jsonl")])
     recs = [json.loads(line) for line in (tmp / "corpus.jsonl").read_text().splitlines()[:40]]
     system = {"role": "system", "content": "You explain the Python language reference."}
 
@@ -83,7 +85,7 @@ def test_layout_and_provenance(models, arch):
     prov = json.loads((m / "provenance.json").read_text())
     assert cfg["thunder_runbook"]["arch"] == prov["arch"] == arch
     assert cfg["thunder_runbook"]["seed"] == prov["seed"] == 0
-    assert prov["generator"] == "bin/make_tiny_model.py" and prov["generator_version"] >= 1
+    assert prov["generator"] == "demo/make_tiny_model.py" and prov["generator_version"] >= 1
     assert prov["files"] == {k: v for k, v in file_hashes(m).items() if k != "provenance.json"}
     assert 2048 <= cfg["vocab_size"] <= 4096
     assert prov["tokenizer"]["trained_on"].startswith("cpython-")
@@ -248,15 +250,24 @@ def test_refuses_to_replace_a_folder_it_did_not_make(tmp_path):
     out = tmp_path / "real-model"
     out.mkdir()
     (out / "config.json").write_text('{"model_type": "gemma4_text"}')
-    p = run([PY, "bin/make_tiny_model.py", "--arch", "gemma4", "--out", str(out)], check=False)
+    p = run([PY, "demo/make_tiny_model.py", "--arch", "gemma4", "--out", str(out)], check=False)
     assert p.returncode != 0
     assert "--force" in p.stderr and "see RUNBOOK.md#generated-inputs" in p.stderr
     assert [x.name for x in out.iterdir()] == ["config.json"]
+    # A model made when the generator lived in bin/ is still the generator's own (make rebuilds it).
+    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "demo" / "make_tiny_model.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    (out / "provenance.json").write_text('{"generator": "bin/make_tiny_model.py"}')
+    gen.check_replaceable(out, force=False)
+    (out / "provenance.json").write_text('{"generator": "somebody-else"}')
+    with pytest.raises(RunbookError, match="--force"):
+        gen.check_replaceable(out, force=False)
 
 
 def test_make_target_runs_the_script():
     p = make("-n", "-B", "tiny-model", "ARCH=llama", "TINY_SEED=3")
-    assert "bin/make_tiny_model.py --arch llama --seed 3 --out models/tiny-llama" in p.stdout
+    assert "demo/make_tiny_model.py --arch llama --seed 3 --out models/tiny-llama" in p.stdout
 
 
 def test_make_rebuilds_on_another_seed_and_only_then():
@@ -286,7 +297,7 @@ def forms(models, tmp_path_factory):
     root = tmp_path_factory.mktemp("forms")
     out = {"text": models["gemma4"]}
     for name, extra in FORMS.items():
-        p = run([PY, "bin/make_tiny_model.py", "--arch", "gemma4", "--seed", "0", "--out", str(root / name), *extra],
+        p = run([PY, "demo/make_tiny_model.py", "--arch", "gemma4", "--seed", "0", "--out", str(root / name), *extra],
                 env=dict(os.environ, **OFFLINE))
         assert p.stdout.startswith("tiny-model arch gemma4 seed 0 ") and p.stdout.count("\n") == 1, p.stdout
         out[name] = root / name
@@ -369,17 +380,17 @@ def test_quantized_forms_load_with_quantized_linear(forms):
 
 
 def test_released_layout_is_deterministic_and_gemma4_only(forms, tmp_path):
-    p = run([PY, "bin/make_tiny_model.py", "--arch", "gemma4", "--out", str(tmp_path / "r"), *FORMS["released-q4"]],
+    p = run([PY, "demo/make_tiny_model.py", "--arch", "gemma4", "--out", str(tmp_path / "r"), *FORMS["released-q4"]],
             env=dict(os.environ, **OFFLINE))
     assert file_hashes(tmp_path / "r") == file_hashes(forms["released-q4"]), p.stdout
-    p = run([PY, "bin/make_tiny_model.py", "--arch", "llama", "--layout", "released", "--out", str(tmp_path / "l")],
+    p = run([PY, "demo/make_tiny_model.py", "--arch", "llama", "--layout", "released", "--out", str(tmp_path / "l")],
             check=False)
     assert p.returncode == 1 and "--arch gemma4" in p.stderr and not (tmp_path / "l").exists()
 
 
 def test_make_names_the_forms():
     p = make("-n", "-B", "tiny-model", "LAYOUT=released", "QUANT=4")
-    assert ("bin/make_tiny_model.py --arch gemma4 --seed 0 --out models/tiny-gemma4-released-q4 "
+    assert ("demo/make_tiny_model.py --arch gemma4 --seed 0 --out models/tiny-gemma4-released-q4 "
             "--layout released --quantize 4") in p.stdout
     p = make("-n", "-B", "tiny-model", "QUANT=8")
     assert "--out models/tiny-gemma4-q8 --quantize 8" in p.stdout

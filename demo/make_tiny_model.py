@@ -2,11 +2,11 @@
 """tiny-model: a randomly initialized model that mlx-lm loads, for tests and the demo.
 
 Usage:
-    python bin/make_tiny_model.py --arch gemma4|llama --seed N --out DIR [--layout text|released]
+    python demo/make_tiny_model.py --arch gemma4|llama --seed N --out DIR [--layout text|released]
         [--quantize 4|8] [--vocab-size N] [--dtype float32|bfloat16|float16] [--force]
 
 Example:
-    .venv/bin/python bin/make_tiny_model.py --arch gemma4 --layout released --quantize 4 --out models/tiny-q4
+    .venv/bin/python demo/make_tiny_model.py --arch gemma4 --layout released --quantize 4 --out models/tiny-q4
 
 DIR gets the Hugging Face layout mlx-lm loads offline: config.json, model.safetensors (Linear and
 Embedding ~ N(0, 0.02^2) seeded by (seed, sha256(name))), a byte-level BPE tokenizer trained here on
@@ -40,7 +40,7 @@ from lib import atomic, paths  # noqa: E402
 from lib.hashing import sha256_file  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 
-GENERATOR = "bin/make_tiny_model.py"
+GENERATOR = "demo/make_tiny_model.py"
 VERSION = 2
 ANCHOR = "generated-inputs"
 INIT_STD = 0.02
@@ -294,7 +294,8 @@ def verify(path: Path, arch: str, sample: str) -> None:
 def check_replaceable(out: Path, force: bool) -> None:
     """Refuse to replace a folder this script did not make (unless --force)."""
     try:
-        ours = json.loads((out / "provenance.json").read_text(encoding="utf-8")).get("generator") == GENERATOR
+        made_by = json.loads((out / "provenance.json").read_text(encoding="utf-8")).get("generator")
+        ours = made_by in (GENERATOR, "bin/make_tiny_model.py")  # its path before 2026-11
     except (OSError, ValueError, AttributeError):
         ours = False
     if out.exists() and not force and not ours:

@@ -2,10 +2,10 @@
 """sample-corpus: real prose from CPython's own language reference, cut into corpus records.
 
 Usage:
-    python bin/make_sample_corpus.py --out FILE [--max-chars N] [--min-records N]
+    python demo/make_sample_corpus.py --out FILE [--max-chars N] [--min-records N]
 
 Example:
-    .venv/bin/python bin/make_sample_corpus.py --out datasets/sample/corpus.jsonl
+    .venv/bin/python demo/make_sample_corpus.py --out datasets/sample/corpus.jsonl
 
 Source: `pydoc_data.topics` (what `help("assert")` prints). One record a line in export's input format:
 {"record_id": "pydoc-assert-0001", "source": "cpython-3.11.7/pydoc_data.topics/assert", "weight": 1.0,
