@@ -56,17 +56,16 @@ def _int(lo: int, *allow: int):
     return _is(want, lambda v: type(v) is int and (v >= lo or v in allow))
 
 
-def _num(lo: float | None = None, strict: bool = False):
-    want = "a finite number" + (f" {'>' if strict else '>='} {lo}" if lo is not None else "")
-    return _is(want, lambda v: type(v) in (int, float) and math.isfinite(v)
-               and (lo is None or (v > lo if strict else v >= lo)))
+def _num(above: float | None = None):
+    want = "a finite number" + (f" > {above:g}" if above is not None else "")
+    return _is(want, lambda v: type(v) in (int, float) and math.isfinite(v) and (above is None or v > above))
 
 
 def _lora(v):
     d = v if isinstance(v, dict) else {}
     extra = "".join(f"; not {k!r}" for k in sorted(set(d) - {"rank", "scale", "dropout", "keys"}))
     ok = (d and not extra and {"rank", "scale", "dropout"} <= set(d) and _int(1)(d["rank"]) is None
-          and _num()(d["scale"]) is None and _num(0.0)(d["dropout"]) is None and d["dropout"] < 1
+          and _num()(d["scale"]) is None and type(d["dropout"]) in (int, float) and 0 <= d["dropout"] < 1
           and isinstance(d.get("keys", []), list) and all(isinstance(x, str) for x in d.get("keys", [])))
     return None if ok else ("mlx-lm's mapping of rank (an integer >= 1), scale (a finite number), dropout "
                             f"(>= 0, < 1) and optional keys (a list of module names){extra}")
@@ -75,10 +74,9 @@ def _lora(v):
 _bool = _is("true or false", lambda v: isinstance(v, bool))
 _str = _is("a non-empty string", lambda v: isinstance(v, str) and v != "")
 _opt_str = _is("null or a non-empty string", lambda v: v is None or _str(v) is None)
-_opt_pos = _is("null or a finite number > 0", lambda v: v is None or _num(0.0, strict=True)(v) is None)
-_opt_cfg = _is(f"a mapping of optimizer name ({', '.join(OPTIMIZERS)}) -> mapping of keyword arguments",
-               lambda v: isinstance(v, dict) and set(v) <= set(OPTIMIZERS)
-               and all(isinstance(x, dict) for x in v.values()))
+_opt_pos = _is("null or a finite number > 0", lambda v: v is None or _num(0)(v) is None)
+_opt_cfg = _is(f"a mapping of optimizer name ({', '.join(OPTIMIZERS)}) -> keyword arguments", lambda v:
+               isinstance(v, dict) and set(v) <= set(OPTIMIZERS) and set(map(type, v.values())) <= {dict})
 # mlx-lm's build_schedule checks the rest when the trainer builds it (a failure there is a config error).
 _schedule = _is("null or a mapping with name and a non-empty list of arguments (mlx.optimizers.schedulers)",
                 lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("name"), str)
@@ -104,7 +102,7 @@ KEYS = {
     "text_feature": ("text", _str),
     "keep_last_k": (3, _int(2)),  # checkpoints kept besides the best-by-validation and the final one
     "watchdog_s": (None, _opt_pos),  # orchestrator watchdog window (s); null = max(10 x median step, 300)
-    "divergence_factor": (4.0, _num(1.0, strict=True)),  # a loss above this x the first step's within the
+    "divergence_factor": (4.0, _num(1)),  # a loss above this x the first step's within the
     "divergence_window": (50, _int(0)),  # first divergence_window steps stops the run (NaN/inf: any step)
     # default: mlx-lm's default_loss; chunked: lib/loss.py, loss_chunk_tokens rows of hidden states a chunk
     "loss": ("default", _is("default or chunked", lambda v: v in ("default", "chunked"))),
