@@ -1,38 +1,29 @@
-"""Crash-safe writes: write a temporary sibling, fsync, rename over the target.
-
-A reader sees the old file or the new one, never a partial one. On macOS
-fsync does not reach the platter; F_FULLFSYNC does, so it is used there.
+"""Crash-safe writes: a temporary sibling, fsynced, renamed over the target. A reader, or a writer killed
+at any point (SIGKILL included), sees the old file or the new one, never a partial one. macOS gets
+F_FULLFSYNC (its fsync does not reach the platter). Example: `atomic.write_json("runs/x/a.json", obj)`;
+`with atomic.atomic_dir("datasets/d") as tmp:` builds a folder that swaps in whole or not at all.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 
 def fsync_fd(fd: int) -> None:
     if sys.platform == "darwin":
-        import fcntl
-
         try:
             fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
             return
-        except OSError:
+        except OSError:  # a filesystem that refuses it (some network mounts): plain fsync
             pass
     os.fsync(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def fsync_path(path: os.PathLike | str) -> None:
@@ -44,12 +35,14 @@ def fsync_path(path: os.PathLike | str) -> None:
         os.close(fd)
 
 
-@contextmanager
-def atomic_open(path: os.PathLike | str, mode: str = "w", **kw: Any) -> Iterator[Any]:
-    """Open a temp file beside `path`; on clean exit fsync and rename it over `path`.
+def _umask() -> int:
+    os.umask(mask := os.umask(0))
+    return mask
 
-    On any exception the temp file is removed and `path` is untouched.
-    """
+
+@contextmanager
+def atomic_open(path: os.PathLike | str, mode: str = "w", **kw):
+    """A temp file beside `path`, renamed over it on a clean exit; on an exception `path` is untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -62,10 +55,7 @@ def atomic_open(path: os.PathLike | str, mode: str = "w", **kw: Any) -> Iterator
         os.replace(tmp, path)
         fsync_path(path.parent)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 
@@ -75,44 +65,35 @@ def write_bytes(path: os.PathLike | str, data: bytes) -> None:
 
 
 def write_text(path: os.PathLike | str, text: str) -> None:
-    with atomic_open(path, "w", encoding="utf-8", newline="\n") as f:
-        f.write(text)
+    write_bytes(path, text.encode("utf-8"))
 
 
-def dumps_json(obj: Any) -> str:
+def dumps_json(obj: object) -> str:
     """The one JSON shape for files the project writes: sorted keys, 2-space indent."""
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
 
 
-def write_json(path: os.PathLike | str, obj: Any) -> None:
+def write_json(path: os.PathLike | str, obj: object) -> None:
     write_text(path, dumps_json(obj))
 
 
 @contextmanager
-def atomic_dir(path: os.PathLike | str) -> Iterator[Path]:
-    """Build a directory under a temporary name, then swap it in for `path`.
-
-    Yields the temporary directory. On clean exit the old `path` (if any) is
-    moved aside, the new one renamed into place, and the old one removed; on
-    any exception the temporary directory is removed and `path` is untouched.
-    """
+def atomic_dir(path: os.PathLike | str):
+    """A temp folder that replaces `path` on a clean exit; on an exception `path` is untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; the result is an ordinary folder
     try:
         yield tmp
-        for child in tmp.rglob("*"):
-            if child.is_file():
-                fsync_path(child)
-        old = None
+        for child in (c for c in tmp.rglob("*") if c.is_file()):
+            fsync_path(child)
+        old = path.parent / f".{path.name}.old.{os.getpid()}"
         if path.exists():
-            old = path.parent / f".{path.name}.old.{os.getpid()}"
             os.replace(path, old)
         os.replace(tmp, path)
         fsync_path(path.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,7 +1,5 @@
-"""Content hashes: files, trees of files, and one digest over a {path: sha256} map.
-
-Used by sync, compare, export, plan, provision, train, calibrate, model, make_tiny_model,
-lib.launch, lib.checkpoint and lib.dataset."""
+"""Content hashes: files, trees of files, and one digest over a {path: sha256} map (most scripts).
+Example: `digest_of(tree_hashes(paths.ROOT, ["bin", "lib"]))` -> one sha256 of the code."""
 
 from __future__ import annotations
 
@@ -22,28 +20,22 @@ def sha256_file(path: os.PathLike | str) -> str:
 
 
 def iter_files(root: os.PathLike | str, parts: Iterable[str]) -> list[str]:
-    """Sorted relative paths of the regular files under root/part for each part
-    (a part may be a file or a folder); caches and hidden files are skipped."""
-    root = Path(root)
-    out = []
+    """Sorted relative paths of the regular files under root/part for each part (a file or a folder);
+    hidden files and __pycache__ are skipped (lib/parity_probe.py has the same rule)."""
+    root, out = Path(root), set()
     for part in parts:
-        p = root / part
-        if p.is_file():
-            out.append(part)
-        elif p.is_dir():
-            for f in p.rglob("*"):
-                r = f.relative_to(root)
-                if any(s.startswith(".") or s == "__pycache__" for s in r.parts):
-                    continue
-                if f.is_file():
-                    out.append(r.as_posix())
-    return sorted(set(out))
+        if (root / part).is_file():
+            out.add(part)
+        for f in (root / part).rglob("*") if (root / part).is_dir() else []:
+            r = f.relative_to(root)
+            if f.is_file() and not any(s.startswith(".") or s == "__pycache__" for s in r.parts):
+                out.add(r.as_posix())
+    return sorted(out)
 
 
 def tree_hashes(root: os.PathLike | str, parts: Iterable[str]) -> dict[str, str]:
     """{relative path: sha256} for every file under the given parts."""
-    root = Path(root)
-    return {r: sha256_file(root / r) for r in iter_files(root, parts)}
+    return {r: sha256_file(Path(root) / r) for r in iter_files(root, parts)}
 
 
 def digest_of(hashes: dict[str, str]) -> str:
@@ -52,4 +44,3 @@ def digest_of(hashes: dict[str, str]) -> str:
     for path in sorted(hashes):
         h.update(f"{hashes[path]}  {path}\n".encode())
     return h.hexdigest()
-

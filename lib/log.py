@@ -1,10 +1,7 @@
-"""Event lines on stdout, errors that name their fix, and the one table of failures.
+"""Event lines on stdout, errors that name their fix, and the one table of failures (FAILURES).
 
-An event is one grep-able line, `event k1 v1 k2 v2`, e.g.
-`iter 120 train_loss 2.314 tok/s 1830`. A failure prints its category and
-ends with `see RUNBOOK.md#anchor`; that heading exists in RUNBOOK.md.
-
-    from lib.log import DATA, RunbookError, failure
+An event is one grep-able line, `event k1 v1 k2 v2`, e.g. `iter 120 train_loss 2.314 tok/s 1830`.
+A failure prints its category and ends with `see RUNBOOK.md#anchor`, a heading of RUNBOOK.md:
     raise failure(DATA, "datasets/x/train.jsonl not found on mac5")   # category + anchor
     raise RunbookError("no verified checkpoint under runs/x", "resume")  # kind by anchor
 """
@@ -13,17 +10,15 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any
 
-# kind: (category, bin/train.py exit code, RUNBOOK anchor). The first five are DESIGN.md's
-# failure categories; the orchestrator decides the last two of them (no trainer exit code).
+# kind: (category, bin/train.py exit code, RUNBOOK anchor). The first five are DESIGN.md's failure categories
+# (the orchestrator decides thunder and hang: no exit code); the rest are a stop for any other reason.
 FAILURES = {
     "parity": ("runtime parity", 10, "runtime-parity"),
     "data": ("export format or path consistency", 11, "export-format-or-path-consistency"),
     "stability": ("learning rate or quantized LoRA stability", 12, "learning-rate-or-lora-stability"),
     "thunder": ("the Thunder path itself", None, "thunder-path"),
     "hang": ("hang / link partition", None, "hang-or-link-partition"),
-    # A rank stopped for a reason that is none of DESIGN.md's categories.
     "config": ("config error", 2, "run-configs"),
     "oom": ("out of memory", 13, "out-of-memory"),
     "resume": ("resume impossible", 14, "resume"),
@@ -32,26 +27,18 @@ FAILURES = {
 }
 DESIGN_KINDS = ("parity", "data", "stability", "thunder", "hang")
 CATEGORIES = {FAILURES[k][0]: FAILURES[k][2] for k in DESIGN_KINDS}  # category -> anchor
-OTHER_FAILURES = {k: (v[0], v[2]) for k, v in FAILURES.items() if k not in DESIGN_KINDS}  # kind -> (name, anchor)
+OTHER_FAILURES = {k: (name, anchor) for k, (name, _, anchor) in FAILURES.items() if k not in DESIGN_KINDS}
 PARITY, DATA, STABILITY, THUNDER, HANG = CATEGORIES
-KIND_OF_CODE = {v[1]: k for k, v in FAILURES.items() if v[1] is not None}
 
 # The one out-of-memory pattern: an MLX allocation failure or a Metal GPU fault, as printed.
-OOM_RE = re.compile(
-    r"Insufficient Memory|OutOfMemory|out of memory|Unable to allocate|"
-    r"\[metal::malloc\]|\[malloc\]|greater than the maximum allowed buffer size|"
-    r"kIOGPUCommandBufferCallbackError(?:OutOfMemory|Timeout|ImpactingInteractivity)|"
-    r"std::bad_alloc",
-    re.I,
-)
+OOM_RE = re.compile(r"Insufficient Memory|OutOfMemory|out of memory|Unable to allocate|\[metal::malloc\]|"
+                    r"\[malloc\]|greater than the maximum allowed buffer size|std::bad_alloc|"
+                    r"kIOGPUCommandBufferCallbackError(?:OutOfMemory|Timeout|ImpactingInteractivity)", re.I)
 
 
 def anchor_of(category: str) -> str:
     """The RUNBOOK anchor of a category of CATEGORIES or of OTHER_FAILURES."""
-    for name, _, anchor in FAILURES.values():
-        if name == category:
-            return anchor
-    return "failure-table"
+    return next((anchor for name, _, anchor in FAILURES.values() if name == category), "failure-table")
 
 
 class RunbookError(Exception):
@@ -69,10 +56,8 @@ class RunbookError(Exception):
     @property
     def kind(self) -> str:
         """Its FAILURES key: by category, else by anchor; any other bad input is "config"."""
-        for kind, (name, _, anchor) in FAILURES.items():
-            if self.category == name or (self.category is None and self.anchor == anchor):
-                return kind
-        return "config"
+        return next((kind for kind, (name, _, anchor) in FAILURES.items() if self.category == name
+                     or (self.category is None and self.anchor == anchor)), "config")
 
     @property
     def exit_code(self) -> int:
@@ -81,7 +66,7 @@ class RunbookError(Exception):
 
 def error_of_code(code: int, message: str) -> RunbookError:
     """The RunbookError of a trainer exit code (another rank's failure, agreed by all_sum)."""
-    name, _, anchor = FAILURES[KIND_OF_CODE.get(code, "error")]
+    name, _, anchor = next((v for v in FAILURES.values() if v[1] == code), FAILURES["error"])
     return RunbookError(message, anchor, name if name in CATEGORIES else None)
 
 
@@ -90,13 +75,11 @@ def failure(category: str, message: str) -> RunbookError:
     return RunbookError(message, CATEGORIES[category], category)
 
 
-def fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
+def fmt(value: object) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
-def event(name: str, /, **fields: Any) -> str:
+def event(name: str, /, **fields: object) -> str:
     """Print `name k v k v ...` on stdout, flushed, and return the line."""
     line = " ".join([name] + [f"{k} {fmt(v)}" for k, v in fields.items()])
     print(line, flush=True)

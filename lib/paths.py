@@ -1,4 +1,5 @@
-"""Repo paths and run folders."""
+"""Repo paths, run folders and safe names. Example: `paths.run_dir("stage1-2026-11-21")` is
+runs/stage1-2026-11-21/, created with its logs/ folder; `paths.rel(paths.RUNS / "x")` is "runs/x"."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import os
 import re
 from pathlib import Path
 
+from lib.log import RunbookError
+
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "runs"
 DATASETS = ROOT / "datasets"
-MODELS = ROOT / "models"
-CONFIGS = ROOT / "configs"
 
 # A run id or dataset name becomes a folder name on every host.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -34,20 +35,16 @@ def is_safe_name(name: str) -> bool:
 
 
 def check_run_id(run: str) -> str:
-    """A run id becomes a folder name on every host: letters, digits, '.', '_', '-'."""
     if not is_safe_name(run):
-        raise ValueError(
-            f"run id {run!r} is not a safe folder name: use letters, digits, '.', '_', '-' "
-            "(e.g. RUN=stage1-2026-11-21); see RUNBOOK.md#run-folders"
-        )
+        raise ValueError(f"run id {run!r} is not a safe folder name: use letters, digits, '.', '_', '-' "
+                         "(e.g. RUN=stage1-2026-11-21); see RUNBOOK.md#run-folders")
     return run
 
 
-def run_dir(run: str, create: bool = True) -> Path:
-    """runs/<RUN>/, created with its logs/ folder when asked."""
+def run_dir(run: str) -> Path:
+    """runs/<RUN>/, created with its logs/ folder."""
     path = RUNS / check_run_id(run)
-    if create:
-        (path / "logs").mkdir(parents=True, exist_ok=True)
+    (path / "logs").mkdir(parents=True, exist_ok=True)
     return path
 
 
@@ -76,7 +73,6 @@ def missing_shards(model: Path) -> list[str]:
 def require_complete(model: Path, name: str, anchor: str) -> None:
     """Refuse a sharded model folder with a shard missing (sync and check-parity, before any host)."""
     if gone := missing_shards(model):
-        from lib.log import RunbookError
-
         raise RunbookError(f"MODEL {name} is incomplete here: model.safetensors.index.json names "
-                           f"{', '.join(gone)}, not in the folder; fetch it again (make model ... REPLACE=1)", anchor)
+                           f"{', '.join(gone)}, not in the folder; fetch it again (make model ... REPLACE=1)",
+                           anchor)

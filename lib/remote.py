@@ -19,10 +19,10 @@ SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "ServerAli
 
 
 def ssh_options() -> list[str]:
-    """`-F $SSH_CONFIG`, SSH_OPTIONS, and a shared master when CONTROL_ENV names its folder (closed, or 30 s idle)."""
+    """`-F $SSH_CONFIG`, SSH_OPTIONS, and a shared master when CONTROL_ENV names its folder (30 s idle)."""
     cfg, ctl = os.environ.get("SSH_CONFIG"), os.environ.get(CONTROL_ENV)
-    shared = ["-o", "ControlMaster=auto", "-o", f"ControlPath={ctl}/%C", "-o", "ControlPersist=30"] if ctl else []
-    return (["-F", cfg] if cfg else []) + SSH_OPTIONS + shared
+    shared = ["-o", "ControlMaster=auto", "-o", f"ControlPath={ctl}/%C", "-o", "ControlPersist=30"]
+    return (["-F", cfg] if cfg else []) + SSH_OPTIONS + (shared if ctl else [])
 
 
 def close_masters(hosts: list[str]) -> None:
