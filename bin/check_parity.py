@@ -25,11 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, parity, paths  # noqa: E402
-from lib import parity_probe as local_probe  # noqa: E402
-from lib.dataset import read_manifest  # noqa: E402
-from lib.hostfile import check_path, is_local  # noqa: E402
-from lib.hostfile import load as load_hostfile  # noqa: E402
+from lib import atomic, dataset, hostfile, parity, parity_probe, paths  # noqa: E402
 from lib.log import RunbookError  # noqa: E402
 
 STATUS = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "UNKNOWN"}
@@ -69,23 +65,22 @@ def listed(label: str, items) -> list[str]:
 def validate_inputs(args):
     """The hostfile and every value that reaches a subprocess, refused before any runs (RunbookError).
     Sets args.content: {name: (this checkout's folder, the hosts' folder, its parts, sha256 or sizes)}."""
-    hf = load_hostfile(args.hostfile)
-    check_path(args.python, "PYTHON")
-    args.root = os.path.normpath(check_path(args.remote_root, "REMOTE_ROOT"))
+    hf = hostfile.load(args.hostfile)
+    hostfile.check_path(args.python, "PYTHON")
+    args.root = os.path.normpath(hostfile.check_path(args.remote_root, "REMOTE_ROOT"))
     if args.dataset and not paths.is_safe_name(args.dataset):
-        raise RunbookError(f"DATASET {args.dataset!r} refused: use a plain folder name (letters, digits, "
-                           "'.', '_', '-')", "parity-dataset")
+        raise RunbookError(f"DATASET {args.dataset!r} refused: use a plain folder name", "parity-dataset")
     args.content = {"code": (str(paths.ROOT), args.root, parity.CODE_PARTS, True)}
     local = Path(os.path.abspath(paths.ROOT / args.model))  # not resolved: models/x may link to a bigger disk
     args.model_local = local if args.model and local.is_dir() else None
     if args.model_local:  # on the hosts under REMOTE_ROOT; a folder outside the repo at the same path
         paths.require_complete(local, args.model, "parity-model")
         rel = local.relative_to(paths.ROOT).as_posix() if local.is_relative_to(paths.ROOT) else str(local)
-        remote = check_path(os.path.join(args.root, rel), "MODEL path on the hosts")
+        remote = hostfile.check_path(os.path.join(args.root, rel), "MODEL path on the hosts")
         args.content["model"] = (str(local), remote, ["."], args.deep)
     manifest = paths.DATASETS / args.dataset / "manifest.json"
     if args.dataset and manifest.is_file():  # exported here: the manifest and the files it names
-        files = ["manifest.json", *read_manifest(manifest.parent)["files"]]
+        files = ["manifest.json", *dataset.read_manifest(manifest.parent)["files"]]
         args.content["dataset"] = (str(manifest.parent), f"{args.root}/datasets/{args.dataset}", files, True)
     args.model_bytes = sum(p.stat().st_size for p in local.glob("*.safetensors")) if args.model_local else 0
     args.peaks, args.calibration = calibrated_peaks(args.model, args.config)
@@ -101,7 +96,6 @@ def calibrated_peaks(model: str, config: str = "") -> tuple[dict, str]:
     docs = [(path, doc) for path, doc in paths.calibrations() if model and doc.get("model") == model]
     if config and docs:  # lib.config (yaml) only when it matters: every import delays the probes
         from lib.config import load_config
-
         loss = load_config(config)["loss"]
         docs = [(path, doc) for path, doc in docs if (doc.get("config") or {}).get("loss") == loss]
     for path, doc in docs[:1]:
@@ -113,8 +107,12 @@ def calibrated_peaks(model: str, config: str = "") -> tuple[dict, str]:
     return {}, ""
 
 
-def eval_packages(h: str, f: dict, lock: str, fix: str) -> list[dict]:
-    """runtime.packages: the lock's versions here; runtime.mlx: mlx.core computes and is not shadowed."""
+def eval_runtime(args, h: str, f: dict, facts: dict, lock: str, envs: list[str]) -> list[dict]:
+    """runtime.python: the first host's interpreter (real path, version); runtime.packages: the lock's
+    versions; runtime.mlx: mlx.core computes and is not shadowed; runtime.env: FAST_SYNCH unset."""
+    key = {k: f"{v['python']['realpath']} (Python {v['python']['version']})" for k, v in facts.items()}
+    first, fix = next(iter(key)), args.fix["provision"]
+    py = f"PYTHON resolves to {key[h]}, but to {key[first]} on {first}" if key[h] != key[first] else ""
     have, mx, pins = f.get("packages") or {}, f.get("mlx") or {}, parity.lock_pins(lock, f["marker_env"])
     bad = [f"{n} {have.get(n) or 'missing'} (lock {pins[n]})" for n in parity.PACKAGES
            if n in pins and have.get(n) != pins[n]]
@@ -127,18 +125,15 @@ def eval_packages(h: str, f: dict, lock: str, fix: str) -> list[dict]:
         why = f"the imported {where}, but the installed mlx is {have['mlx']}: another copy shadows it"
     ok = f"{where} computes ({mx.get('device')}, {mx.get('seconds')} s)"
     bad = "differs from requirements.lock: " + "; ".join(bad) if bad else ""
-    return [check("runtime.packages", h, not bad, bad or same, fix),
-            check("runtime.mlx", h, not why, why or ok, fix)]
-
-
-def eval_env(h: str, f: dict, envs: list[str]) -> dict:
-    """runtime.env: MLX_METAL_FAST_SYNCH must be unset in the hostfile's envs and the host's environment."""
     where = [w for w, on in (("the hostfile's envs", any(e.split("=")[0] == FAST_SYNCH for e in envs)),
                              ("this host's ssh environment", FAST_SYNCH in f["env"])) if on]
-    why = f"{FAST_SYNCH} is set in {' and '.join(where)}: it can wedge the GPU until a reboot (mlx#3142)"
-    return check("runtime.env", h, not where, why if where else f"{FAST_SYNCH} unset", "remove it from the "
-                 "hostfile's envs and the host's ~/.zshenv (the MLX docs say to leave it unset, though the "
-                 "coordinator seed recommends it); see RUNBOOK.md#parity-fast-synch")
+    env = f"{FAST_SYNCH} is set in {' and '.join(where)}: it can wedge the GPU until a reboot (mlx#3142)"
+    return [check("runtime.python", h, not py, py or f"{f['python']['requested']} -> {key[h]}", fix),
+            check("runtime.packages", h, not bad, bad or same, fix),
+            check("runtime.mlx", h, not why, why or ok, fix),
+            check("runtime.env", h, not where, env if where else f"{FAST_SYNCH} unset", "remove it from the "
+                  "hostfile's envs and the host's ~/.zshenv (the MLX docs say to leave it unset, though the "
+                  "coordinator seed recommends it); see RUNBOOK.md#parity-fast-synch")]
 
 
 def eval_resources(args, h: str, f: dict) -> list[dict]:
@@ -164,8 +159,7 @@ def eval_resources(args, h: str, f: dict) -> list[dict]:
     elif err not in (None, "ENOENT"):
         why = f"{root}: {disk.get('error')}"
     elif f["system"] == "Darwin" and under in ("Desktop", "Documents", "Downloads"):
-        status, why = "warn", (f"{root} lies under ~/{under}: ssh may read it only while full disk access "
-                               "for remote users stays on, and a macOS update can turn that off")
+        status, why = "warn", f"{root} lies under ~/{under}: a macOS update can take ssh's access away"
     else:
         status, why = "pass", f"{root} " + ("does not exist yet (sync creates it)" if err else "is readable")
     return out + [check("resources.remote_root", h, status, why, fix)]
@@ -254,15 +248,13 @@ def eval_content(args, h: str, f: dict, ref: dict) -> list[dict]:
     return out
 
 
-def model_note(args) -> list[dict]:
+def model_note(args) -> dict:
     """MODEL when there is no local folder to compare: missing here, or a hub id each host resolves."""
-    if args.model_local:
-        return []
     if args.model.startswith((".", "/", "models/")):
-        return [check("model", "local", "fail", f"MODEL {args.model} does not exist here",
-                      "fetch it (make model HF_REPO=...) or set MODEL=; see RUNBOOK.md#parity-model")]
-    return [check("model", "-", "pass", f"skipped: MODEL {args.model} is a hub id (each host resolves it "
-                  "from its own cache)" if args.model else "skipped: no MODEL")]
+        return check("model", "local", "fail", f"MODEL {args.model} does not exist here",
+                     "fetch it (make model HF_REPO=...) or set MODEL=; see RUNBOOK.md#parity-model")
+    return check("model", "-", "pass", f"skipped: MODEL {args.model} is a hub id (each host resolves it "
+                 "from its own cache)" if args.model else "skipped: no MODEL")
 
 
 def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
@@ -277,24 +269,19 @@ def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
                 f"ssh works but the probe printed no result: {tail}",
                 "run the probe by hand: see RUNBOOK.md#parity-ssh")))
             continue
-        how = "local (127.0.0.1, like mlx.launch)" if is_local(h) else "ssh ok"  # this machine by name: ssh
+        how = "local (127.0.0.1, like mlx.launch)" if hostfile.is_local(h) else "ssh ok"  # by name: ssh
         checks.append(check("ssh", h, "pass", f"{how}, round trip {secs:.2f} s"))
         if why:  # PYTHON is missing or dies: nothing more can be asked of this host
             checks.append(check("runtime.python", h, "fail", why, fix))
         else:
             facts[h] = f
-    key = {h: f"{f['python']['realpath']} (Python {f['python']['version']})" for h, f in facts.items()}
-    for h, f in facts.items():  # the same interpreter (real path, version) on every host as on the first
+    for h, f in facts.items():
         if "runtime" in GATES[args.gate]:
-            first = next(iter(key))
-            checks.append(check("runtime.python", h, True, f"{f['python']['requested']} -> {key[h]}")
-                          if key[h] == key[first] else check("runtime.python", h, False,
-                          f"PYTHON resolves to {key[h]}, but to {key[first]} on {first}", fix))
-            checks += [*eval_packages(h, f, ref["lock"], fix), eval_env(h, f, hf.envs)]
+            checks += eval_runtime(args, h, f, facts, ref["lock"], hf.envs)
             checks += [*eval_resources(args, h, f), *eval_macos(args, h, f, hf), eval_link(args, h, f)]
         if "content" in GATES[args.gate]:
             checks += eval_content(args, h, f, ref)
-    return checks + (model_note(args) if "content" in GATES[args.gate] else [])
+    return checks + ([model_note(args)] if "content" in GATES[args.gate] and not args.model_local else [])
 
 
 def run_checks(args, deadline: float) -> list[dict]:
@@ -306,16 +293,14 @@ def run_checks(args, deadline: float) -> list[dict]:
                       f"see RUNBOOK.md#{e.anchor}")]
     hosts, peers = hf.unique_ssh(), parity.peers_of(hf)
     params = {"python": args.python, "remote_root": args.root, "parts": GATES[args.gate],
-              "link_enough_ms": RTT_WARN_MS / 4, "rdma": hf.backend.startswith("jaccl"),
-              "content": {name: [there, parts, hashed] for name, (_, there, parts, hashed)
-                          in args.content.items()}}
+              "content": args.content, "link_enough_ms": RTT_WARN_MS / 4,
+              "rdma": hf.backend.startswith("jaccl")}
     with ThreadPoolExecutor(len(hosts)) as pool:  # every probe bounded by the deadline (subprocess timeout)
         running = {h: pool.submit(parity.probe, h, args.python, dict(params, peers=peers[h]), deadline)
                    for h in hosts}
-        # this checkout's lock and files, hashed here while the hosts answer
-        ref = {"lock": (paths.ROOT / "requirements.lock").read_text(encoding="utf-8")}
+        ref = {"lock": (paths.ROOT / "requirements.lock").read_text(encoding="utf-8")}  # while hosts answer
         if "content" in GATES[args.gate]:
-            ref.update({name: local_probe.probe_files(here, parts, hashed)
+            ref.update({name: parity_probe.probe_files(here, parts, hashed)
                         for name, (here, _, parts, hashed) in args.content.items()})
         results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
     summary = f"{hf.backend or 'ring'}, {hf.size} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}"
@@ -323,8 +308,7 @@ def run_checks(args, deadline: float) -> list[dict]:
 
 
 def code_of(checks: list[dict]) -> int:
-    st = {c["status"] for c in checks}
-    return 2 if "fail" in st else 1 if "warn" in st else 0
+    return max([{"warn": 1, "fail": 2}.get(c["status"], 0) for c in checks], default=0)
 
 
 def perf_label(label: str) -> str:

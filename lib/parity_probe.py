@@ -152,8 +152,8 @@ def main(argv):
                    link=guard(probe_link, p.get("peers", []), float(p.get("link_enough_ms", 0.5))))
         if sys.platform == "darwin":
             res["macos"] = probe_macos(bool(p.get("rdma")))
-    if "content" in parts:  # {name: [folder, parts, hashed]}: code and dataset hashed, the model with --deep
-        for name, (base, names, hashed) in p.get("content", {}).items():
+    if "content" in parts:  # {name: [its folder here, on this host, parts, hashed]}: the model with --deep
+        for name, (_, base, names, hashed) in p.get("content", {}).items():
             res[name] = guard(probe_files, base, names, hashed)
     res["seconds"] = round(time.monotonic() - t0, 3)
     sys.stdout.write(json.dumps(res, sort_keys=True) + "\n")
