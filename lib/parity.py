@@ -1,8 +1,7 @@
-"""check-parity's orchestrator side (bin/check_parity.py; bench and tests use CODE_PARTS): the probe call,
-ssh and PYTHON failures, the lock's pins, topology, and the macOS tools' output, parsed here and tested
-on recorded output (tests/fixtures/macos/). Example: `parity.probe("mac5", PYTHON, {"parts": ["runtime"]},
-time.monotonic() + 20)` -> (facts or None, Result, seconds): one ssh round trip running lib/parity_probe.py.
-"""
+"""check-parity's orchestrator side (bin/check_parity.py; bench uses CODE_PARTS): the probe call, ssh and
+PYTHON failures, the lock's pins, topology, and the macOS tools' output (tested on tests/fixtures/macos/).
+Example: `parity.probe("mac5", PYTHON, {"parts": ["runtime"]}, time.monotonic() + 20)` -> (facts or None,
+Result, seconds): one ssh round trip (local for 127.0.0.1, as mlx.launch does) running lib/parity_probe.py."""
 
 from __future__ import annotations
 
@@ -23,10 +22,8 @@ PACKAGES = ["mlx", "mlx-lm", "numpy", "transformers", "tokenizers", "safetensors
 LOCK_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)\s*(?:;\s*(.*?))?\s*\\?\s*$")
 # $1 = PYTHON, $2 = the probe's JSON parameters, its source on stdin. Exit 97 with a last stderr line
 # "@@ missing" or "@@ exit N" when PYTHON does not exist or dies before it prints.
-PROBE_SH = r"""
-if [ ! -x "$1" ] || [ -d "$1" ]; then echo "@@ missing" >&2; exit 97; fi
-"$1" -c "$(cat)" "$2" </dev/null || { echo "@@ exit $?" >&2; exit 97; }
-"""
+PROBE_SH = r"""if [ ! -x "$1" ] || [ -d "$1" ]; then echo "@@ missing" >&2; exit 97; fi
+"$1" -c "$(cat)" "$2" </dev/null || { echo "@@ exit $?" >&2; exit 97; }"""
 SSH_FAILURES = [  # (stderr pattern, detail, fix): {last} = ssh's last line; {ssh} {host} in the fix
     ("IDENTIFICATION HAS CHANGED|Offending|Host key verification failed|host key is known",
      "host key unknown or CHANGED (a reinstalled host, or an attack): ssh never prompts here",
@@ -79,7 +76,6 @@ def ssh_failure(host: str, r: Result) -> tuple[str, str]:
 def lock_pins(text: str, env: dict) -> dict[str, str]:
     """{normalized name: version} a uv/pip-compile lock installs on a host with this PEP 508 marker env."""
     from packaging.markers import Marker
-
     return {re.sub(r"[-_.]+", "-", m[1]).lower(): m[2] for m in map(LOCK_LINE.match, text.splitlines())
             if m and (not m[3] or Marker(m[3]).evaluate(dict(env, extra="")))}
 
@@ -144,8 +140,7 @@ def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
             problems.append(f"{ip} is on no interface")
         elif not (port.startswith("Thunderbolt") or f["members"] and
                   all(ports.get(m, "").startswith("Thunderbolt") for m in f["members"])):
-            warns.append(f"{ip} is on {iface} ({port or 'unknown port'}), not Thunderbolt: "
-                         "ring traffic will not use the Thunderbolt link")
+            warns.append(f"{ip} is on {iface} ({port or 'unknown port'}), not Thunderbolt")
         elif f["status"] and f["status"] != "active":
             problems.append(f"{ip} is on {iface} ({port}) but its status is {f['status']}")
         elif f["members"] and not up:
@@ -169,8 +164,7 @@ def rdma_missing(row: list, ibv_output: object) -> tuple[list[str], list[str], l
 
 
 def sleep_facts(pmset: object, ps: object) -> tuple[str, str, str]:
-    """(pass|warn, detail, pmset flag) from `pmset -g` (the current power source's settings, `pmset -g ps`):
-    sleep N > 0 sleeps after N idle minutes; "sleep prevented by X" lasts only while X runs."""
+    """(pass|warn, detail, pmset flag): sleep N > 0 in `pmset -g` sleeps after N idle minutes."""
     m = re.search(r"(?m)^\s*sleep\s+(\d+)(.*)$", pmset if isinstance(pmset, str) else "")
     src = re.search(r"Now drawing from '([^']+)'", ps if isinstance(ps, str) else "")
     source = src.group(1) if src else "the current power source"

@@ -1,6 +1,6 @@
 """The host side of check-parity: one self-contained probe (standard library, and packaging) that prints one
-JSON object of facts; it only reads. lib/parity.py's PROBE_SH runs it as `PYTHON -c <source> '<params>'`.
-Example, by hand:
+JSON object of facts; it only reads. lib/parity.py's PROBE_SH runs it as `PYTHON -c <source> '<params>'`;
+by hand:
     python lib/parity_probe.py '{"remote_root": "/Users/op/thunder-runbook", "parts": ["runtime"]}'
 """
 
@@ -31,14 +31,12 @@ def iter_files(root, parts):
 def marker_env():
     """PEP 508 marker variables of this interpreter (the lock's pins depend on them)."""
     from packaging.markers import default_environment  # in every venv the lock builds (transformers needs it)
-
     return default_environment()
 
 
 def installed_dists():
     """{normalized name: version} of the distributions on sys.path; the first wins, as for import."""
     from importlib import metadata
-
     return {re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower(): d.version
             for d in reversed(list(metadata.distributions()))}
 
@@ -47,7 +45,6 @@ def probe_mlx():
     """Import mlx.core from the interpreter under test, compute one small op, read Metal's working set."""
     t0 = time.monotonic()
     import mlx.core as mx
-
     value = (mx.array([1.0, 2.0, 3.0]) * 2).sum().item()
     return {"ok": abs(value - 12.0) < 1e-6, "version": getattr(mx, "__version__", None), "result": value,
             "file": getattr(mx, "__file__", None), "device": str(mx.default_device()),
@@ -116,7 +113,6 @@ def probe_link(peers, enough_ms, tries=7):
 
 def run(argv):
     import subprocess  # macOS only: not imported on the common path
-
     return subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=8).stdout
 
