@@ -57,11 +57,6 @@ def check(name: str, host: str, status: str | bool, detail: str, fix: str = "") 
     return dict(name=name, host=host, status=status, detail=detail, fix="" if status == "pass" else fix)
 
 
-def listed(label: str, items) -> list[str]:
-    more = f" (+{len(items) - 5} more)" if len(items) > 5 else ""
-    return [f"{label}: {', '.join(sorted(items)[:5])}{more}"] if items else []
-
-
 def validate_inputs(args):
     """The hostfile and every value that reaches a subprocess, refused before any runs (RunbookError).
     Sets args.content: {name: (this checkout's folder, the hosts' folder, its parts, sha256 or sizes)}."""
@@ -240,8 +235,10 @@ def eval_content(args, h: str, f: dict, ref: dict) -> list[dict]:
             status = "warn" if name == "dataset" else "fail"
             detail = f"none of its {len(ours)} files exist on this host (not synced yet)"
         else:
-            bad = listed("differs", [p for p in set(ours) & set(theirs) if ours[p] != theirs[p]]) + listed(
-                "missing", set(ours) - set(theirs)) + listed("extra on host", set(theirs) - set(ours))
+            diff = {"differs": [p for p in set(ours) & set(theirs) if ours[p] != theirs[p]],
+                    "missing": set(ours) - set(theirs), "extra on host": set(theirs) - set(ours)}
+            bad = [f"{k}: {', '.join(sorted(v)[:5])}" + (f" (+{len(v) - 5} more)" if len(v) > 5 else "")
+                   for k, v in diff.items() if v]
             mb = sum(v[0] for v in ours.values()) / 1e6
             status, detail = not bad, "; ".join(bad) or f"{len(ours)} files, {mb:.1f} MB identical"
         out.append(check(name, h, status, f"{where}: {detail}", args.fix[name]))
