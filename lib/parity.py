@@ -147,11 +147,10 @@ def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
             problems.append(f"{iface} has no active member ({', '.join(f['members'])})")
         else:
             notes.append(f"{ip} on {iface} ({port}" + (f"; active: {', '.join(up)})" if up else ")"))
-    connected = [p for p in tb if p["peers"]]
+    connected = [f"{p['peers'][0]} on port {p['receptacle']} at {p['speed']}" for p in tb if p["peers"]]
     if tb and not connected:
         problems.append("no Thunderbolt peer connected on any port (system_profiler): check the cable")
-    notes += ["peer " + ", ".join(f"{p['peers'][0]} on port {p['receptacle']} at {p['speed']}"
-                                  for p in connected)] if connected else []
+    notes += ["peer " + ", ".join(connected)] if connected else []
     status = "fail" if problems else "warn" if warns else "pass"
     return status, "; ".join(problems + warns + ([] if problems else notes))
 
