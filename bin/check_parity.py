@@ -120,15 +120,15 @@ def eval_runtime(args, h: str, f: dict, facts: dict, lock: str, envs: list[str])
         why = f"the imported {where}, but the installed mlx is {have['mlx']}: another copy shadows it"
     ok = f"{where} computes ({mx.get('device')}, {mx.get('seconds')} s)"
     bad = "differs from requirements.lock: " + "; ".join(bad) if bad else ""
-    where = [w for w, on in (("the hostfile's envs", any(e.split("=")[0] == FAST_SYNCH for e in envs)),
-                             ("this host's ssh environment", FAST_SYNCH in f["env"])) if on]
-    env = f"{FAST_SYNCH} is set in {' and '.join(where)}: it can wedge the GPU until a reboot (mlx#3142)"
+    set_in = [w for w, on in (("the hostfile's envs", any(e.split("=")[0] == FAST_SYNCH for e in envs)),
+                              ("this host's ssh environment", FAST_SYNCH in f["env"])) if on]
+    env = f"{FAST_SYNCH} is set in {' and '.join(set_in)}: it can wedge the GPU until a reboot (mlx#3142)"
     return [check("runtime.python", h, not py, py or f"{f['python']['requested']} -> {key[h]}", fix),
             check("runtime.packages", h, not bad, bad or same, fix),
             check("runtime.mlx", h, not why, why or ok, fix),
-            check("runtime.env", h, not where, env if where else f"{FAST_SYNCH} unset", "remove it from the "
-                  "hostfile's envs and the host's ~/.zshenv (the MLX docs say to leave it unset, though the "
-                  "coordinator seed recommends it); see RUNBOOK.md#parity-fast-synch")]
+            check("runtime.env", h, not set_in, env if set_in else f"{FAST_SYNCH} unset", "remove it from "
+                  "the hostfile's envs and the host's ~/.zshenv (the MLX docs say to leave it unset, though "
+                  "the coordinator seed recommends it); see RUNBOOK.md#parity-fast-synch")]
 
 
 def eval_resources(args, h: str, f: dict) -> list[dict]:
