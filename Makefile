@@ -189,7 +189,7 @@ sync: datasets/$(DATASET)/manifest.json $(VENV)/.stamp
 CODE        := $(wildcard bin/*.py) $(LIB) $(wildcard configs/*.yaml) $(LOCK)
 LAUNCH_ARGS  = --run $(RUN) --hostfile $(HOSTFILE) --model $(MODEL) --dataset $(DATASET) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(SEED), --seed $(SEED))$(if $(WATCHDOG), --watchdog $(WATCHDOG))$(if $(PORT), --port $(PORT))
 SYNC_CMD     = $(PY) bin/sync.py --hostfile $(HOSTFILE) --remote-root $(REMOTE_ROOT) --dataset $(DATASET) --model=$(MODEL) --run $(RUN)$(if $(SYNC_MODEL), --sync-model)$(if $(RSYNC), --rsync $(RSYNC))$(if $(RSYNC_PATH), --rsync-path $(RSYNC_PATH))
-PARITY_ARGS  = --hostfile $(HOSTFILE) --python $(PYTHON) --remote-root $(REMOTE_ROOT) --model=$(MODEL) --dataset=$(DATASET) --min-disk-gb $(MIN_DISK_GB)
+PARITY_ARGS  = --hostfile $(HOSTFILE) --python $(PYTHON) --remote-root $(REMOTE_ROOT) --model=$(MODEL) --dataset=$(DATASET) --config=$(CONFIG) --min-disk-gb $(MIN_DISK_GB)
 PARITY_CMD   = $(PY) bin/check_parity.py $(PARITY_ARGS)
 
 # macOS: Mac1's orchestrating train/control runs under caffeinate -i (idle sleep would stop the

@@ -16,7 +16,6 @@ import argparse
 import fcntl
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -26,21 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# Only what the probes need: every import here delays all hosts' answers.
-from lib import atomic, parity, paths  # noqa: E402
-from lib import parity_probe as local_probe  # noqa: E402
-from lib.dataset import read_manifest  # noqa: E402
-from lib.hostfile import check_path, is_local  # noqa: E402
-from lib.hostfile import load as load_hostfile  # noqa: E402
+from lib import atomic, dataset, hostfile, parity, parity_probe, paths  # noqa: E402
 from lib.log import RunbookError  # noqa: E402
 
 STATUS = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "UNKNOWN"}
 GATES = {"runtime": ["runtime"], "content": ["content"], "all": ["runtime", "content"]}
-CONTENT, FAST_SYNCH = ("code", "model", "dataset"), "MLX_METAL_FAST_SYNCH"
-TCC_FIX = ("on the host: System Settings > General > Sharing > Remote Login (i) > Allow full disk access "
-           "for remote users, or move REMOTE_ROOT out of ~/Desktop, ~/Documents, ~/Downloads; "
-           "see RUNBOOK.md#parity-tcc")
-LINK_FIX = "see RUNBOOK.md#parity-link"
+FAST_SYNCH, LINK_FIX = "MLX_METAL_FAST_SYNCH", "see RUNBOOK.md#parity-link"
 MIN_MEM_GB, RTT_WARN_MS, GB, MiB = 2.0, 2.0, 1 << 30, 1 << 20
 
 
@@ -52,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gate", choices=GATES, default="all", help="runtime, content or all (default)")
     p.add_argument("--model", default="", help="local model folder (checked) or a hub id (skipped)")
     p.add_argument("--dataset", default="", help="dataset name under datasets/ (checked once exported)")
+    p.add_argument("--config", default="", help="run config: only a calibration with its loss is used")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     p.add_argument("--deep", action="store_true", help="hash every model file (default: compare sizes)")
     p.add_argument("--timeout", type=float, help="bound on the whole check, s (default 20; 600 with --deep)")
@@ -60,143 +51,119 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check(name: str, host: str, status: str, detail: str, fix: str = "") -> dict:
-    """One row of the result; a passing row carries no fix."""
-    fix = "" if status == "pass" else fix
-    return {"name": name, "host": host, "status": status, "detail": detail, "fix": fix}
-
-
-def listed(label: str, items: list) -> list[str]:
-    more = f" (+{len(items) - 5} more)" if len(items) > 5 else ""
-    return [f"{label}: {', '.join(sorted(items)[:5])}{more}"] if items else []
+def check(name: str, host: str, status: str | bool, detail: str, fix: str = "") -> dict:
+    """One row of the result (status True: pass, False: fail); a passing row carries no fix."""
+    status = {True: "pass", False: "fail"}.get(status, status)
+    return dict(name=name, host=host, status=status, detail=detail, fix="" if status == "pass" else fix)
 
 
 def validate_inputs(args):
     """The hostfile and every value that reaches a subprocess, refused before any runs (RunbookError).
     Sets args.content: {name: (this checkout's folder, the hosts' folder, its parts, sha256 or sizes)}."""
-    hf = load_hostfile(args.hostfile)
-    check_path(args.python, "PYTHON")
-    args.root = os.path.normpath(check_path(args.remote_root, "REMOTE_ROOT"))
+    hf = hostfile.load(args.hostfile)
+    hostfile.check_path(args.python, "PYTHON")
+    args.root = os.path.normpath(hostfile.check_path(args.remote_root, "REMOTE_ROOT"))
     if args.dataset and not paths.is_safe_name(args.dataset):
-        raise RunbookError(f"DATASET {args.dataset!r} refused: use a plain folder name (letters, digits, "
-                           "'.', '_', '-')", "parity-dataset")
+        raise RunbookError(f"DATASET {args.dataset!r} refused: use a plain folder name", "parity-dataset")
     args.content = {"code": (str(paths.ROOT), args.root, parity.CODE_PARTS, True)}
     local = Path(os.path.abspath(paths.ROOT / args.model))  # not resolved: models/x may link to a bigger disk
     args.model_local = local if args.model and local.is_dir() else None
     if args.model_local:  # on the hosts under REMOTE_ROOT; a folder outside the repo at the same path
         paths.require_complete(local, args.model, "parity-model")
         rel = local.relative_to(paths.ROOT).as_posix() if local.is_relative_to(paths.ROOT) else str(local)
-        remote = check_path(os.path.join(args.root, rel), "MODEL path on the hosts")
+        remote = hostfile.check_path(os.path.join(args.root, rel), "MODEL path on the hosts")
         args.content["model"] = (str(local), remote, ["."], args.deep)
     manifest = paths.DATASETS / args.dataset / "manifest.json"
     if args.dataset and manifest.is_file():  # exported here: the manifest and the files it names
-        files = ["manifest.json", *read_manifest(manifest.parent)["files"]]
+        files = ["manifest.json", *dataset.read_manifest(manifest.parent)["files"]]
         args.content["dataset"] = (str(manifest.parent), f"{args.root}/datasets/{args.dataset}", files, True)
     args.model_bytes = sum(p.stat().st_size for p in local.glob("*.safetensors")) if args.model_local else 0
-    args.peaks, args.calibration = calibrated_peaks(args.model)
-    h = f"HOSTFILE={args.hostfile}"
-    args.fix = {"provision": f"make provision {h}; see RUNBOOK.md#parity-runtime",
-                "code": f"make sync {h}; see RUNBOOK.md#parity-code",
-                "model": f"make sync {h} SYNC_MODEL=1; see RUNBOOK.md#parity-model",
-                "dataset": f"make sync {h}; see RUNBOOK.md#parity-code"}
+    args.peaks, args.calibration = calibrated_peaks(args.model, args.config)
+    sync = f"make sync HOSTFILE={args.hostfile}"
+    args.fix = {"provision": f"make provision HOSTFILE={args.hostfile}; see RUNBOOK.md#parity-runtime",
+                "model": f"{sync} SYNC_MODEL=1; see RUNBOOK.md#parity-model"}
+    args.fix["code"] = args.fix["dataset"] = f"{sync}; see RUNBOOK.md#parity-code"
     return hf
 
 
-def calibrated_peaks(model: str) -> tuple[dict, str]:
-    """({host: peak bytes at the recommended per-rank batch, weights included}, file name) of the newest
-    calibration of MODEL; ({}, "") when there is none."""
-    for path, doc in paths.calibrations():
-        if model and doc.get("model") == model:
-            b, peaks = (doc.get("recommendation") or {}).get("per_rank_batch"), {}
-            for host in doc.get("hosts", []):
-                rows = [r for r in host.get("sweep", []) if not r.get("over_memory")]
-                row = next((r for r in rows if r["batch"] == b), rows[-1] if rows else None)
-                peaks.update({host["ssh"]: row["peak_mem_bytes"]} if row else {})
-            return peaks, path.name
+def calibrated_peaks(model: str, config: str = "") -> tuple[dict, str]:
+    """({host: peak bytes at the recommended batch}, file) of MODEL's newest calibration of CONFIG's loss."""
+    docs = [(path, doc) for path, doc in paths.calibrations() if model and doc.get("model") == model]
+    if config and docs:  # lib.config (yaml) only when it matters: every import delays the probes
+        from lib.config import load_config
+        loss = load_config(config)["loss"]
+        docs = [(path, doc) for path, doc in docs if (doc.get("config") or {}).get("loss") == loss]
+    for path, doc in docs[:1]:
+        b = (doc.get("recommendation") or {}).get("per_rank_batch")
+        fit = {h["ssh"]: [r for r in h.get("sweep", []) if not r.get("over_memory")]
+               for h in doc.get("hosts", [])}
+        return {h: next((r for r in rows if r["batch"] == b), rows[-1])["peak_mem_bytes"]
+                for h, rows in fit.items() if rows}, path.name
     return {}, ""
 
 
-def eval_python(h: str, pythons: dict, fix: str) -> dict:
-    """PYTHON resolves to the same interpreter (real path, version) on every host as on the first one."""
-    keys = {k: f"{p['realpath']} (Python {p['version']})" for k, p in pythons.items()}
-    first = next(iter(keys))
-    if keys[h] == keys[first]:
-        return check("runtime.python", h, "pass", f"{pythons[h]['requested']} -> {keys[h]}")
-    why = f"PYTHON resolves to {keys[h]}, but to {keys[first]} on {first}"
-    return check("runtime.python", h, "fail", why, fix)
-
-
-def eval_packages(h: str, f: dict, lock: str, fix: str) -> list[dict]:
-    """runtime.packages: the lock's versions here; runtime.mlx: mlx.core computes and is not shadowed."""
+def eval_runtime(args, h: str, f: dict, facts: dict, lock: str, envs: list[str]) -> list[dict]:
+    """runtime.python: the first host's interpreter (real path, version); runtime.packages: the lock's
+    versions; runtime.mlx: mlx.core computes and is not shadowed; runtime.env: FAST_SYNCH unset."""
+    key = {k: f"{v['python']['realpath']} (Python {v['python']['version']})" for k, v in facts.items()}
+    first, fix = next(iter(key)), args.fix["provision"]
+    py = f"PYTHON resolves to {key[h]}, but to {key[first]} on {first}" if key[h] != key[first] else ""
     have, mx, pins = f.get("packages") or {}, f.get("mlx") or {}, parity.lock_pins(lock, f["marker_env"])
-    bad = [f"{n}: requirements.lock has no pin for this host's platform"
-           for n in parity.PACKAGES[:6] if n not in pins]
-    bad += [f"{n} {have.get(n) or 'missing'} (lock {pins[n]})" for n in parity.PACKAGES
-            if n in pins and have.get(n) != pins[n]]
+    bad = [f"{n} {have.get(n) or 'missing'} (lock {pins[n]})" for n in parity.PACKAGES
+           if n in pins and have.get(n) != pins[n]]
     bad = [f"cannot list packages: {have['error']}"] if "error" in have else bad
     same = ", ".join(f"{n} {have.get(n)}" for n in parity.PACKAGES if n in pins) + " = requirements.lock"
-    out = [check("runtime.packages", h, "fail" if bad else "pass",
-                 "differs from requirements.lock: " + "; ".join(bad) if bad else same, fix)]
     where, why = f"mlx.core {mx.get('version')} from {mx.get('file')}", ""
     if not mx.get("ok"):
-        why = mx.get("error") or f"1+2+3 doubled gave {mx.get('result')}, not 12"
-        why = "mlx.core does not work: " + why
+        why = "mlx.core does not work: " + (mx.get("error") or f"1+2+3 doubled gave {mx.get('result')}")
     elif have.get("mlx") and mx["version"] != have["mlx"]:
         why = f"the imported {where}, but the installed mlx is {have['mlx']}: another copy shadows it"
     ok = f"{where} computes ({mx.get('device')}, {mx.get('seconds')} s)"
-    return out + [check("runtime.mlx", h, "fail" if why else "pass", why or ok, fix)]
-
-
-def eval_env(h: str, f: dict, envs: list[str]) -> dict:
-    """runtime.env: MLX_METAL_FAST_SYNCH must be unset in the hostfile's envs and the host's environment."""
-    where = [w for w, on in (("the hostfile's envs", any(e.split("=")[0] == FAST_SYNCH for e in envs)),
-                             ("this host's ssh environment", FAST_SYNCH in f["env"])) if on]
-    if not where:
-        return check("runtime.env", h, "pass", f"{FAST_SYNCH} unset")
-    return check("runtime.env", h, "fail", f"{FAST_SYNCH} is set in {' and '.join(where)}: it can "
-                 "wedge the GPU until a reboot (ml-explore/mlx#3142, #3830)", "remove it (hostfile envs, the "
-                 "host's ~/.zshenv): the MLX docs say to leave it unset, though the coordinator seed still "
-                 "recommends it; see RUNBOOK.md#parity-fast-synch")
+    bad = "differs from requirements.lock: " + "; ".join(bad) if bad else ""
+    set_in = [w for w, on in (("the hostfile's envs", any(e.split("=")[0] == FAST_SYNCH for e in envs)),
+                              ("this host's ssh environment", FAST_SYNCH in f["env"])) if on]
+    env = f"{FAST_SYNCH} is set in {' and '.join(set_in)}: it can wedge the GPU until a reboot (mlx#3142)"
+    return [check("runtime.python", h, not py, py or f"{f['python']['requested']} -> {key[h]}", fix),
+            check("runtime.packages", h, not bad, bad or same, fix),
+            check("runtime.mlx", h, not why, why or ok, fix),
+            check("runtime.env", h, not set_in, env if set_in else f"{FAST_SYNCH} unset", "remove it from "
+                  "the hostfile's envs and the host's ~/.zshenv (the MLX docs say to leave it unset, though "
+                  "the coordinator seed recommends it); see RUNBOOK.md#parity-fast-synch")]
 
 
 def eval_resources(args, h: str, f: dict) -> list[dict]:
-    """Free disk at REMOTE_ROOT, available memory, and whether the ssh session may read REMOTE_ROOT: TCC
-    refuses ~/Desktop, ~/Documents, ~/Downloads with EPERM ("Operation not permitted"), modes with EACCES."""
-    disk, mem, fix = f["disk"], f.get("memory") or {}, "see RUNBOOK.md#parity-resources"
-    free = disk.get("free_bytes", -GB) / GB
-    avail, total = (mem.get("available_bytes") or 0) / GB, (mem.get("total_bytes") or 0) / GB
-    out = [check("resources.disk", h, "pass" if free >= args.min_disk_gb else "fail",
-                 f"{free:.1f} GB free at {disk['path']} (minimum {args.min_disk_gb:g} GB)" if free >= 0 else
-                 f"cannot read free disk: {disk.get('error')}",
-                 f"free space on the host (du -sh {args.root}/runs/*), or lower MIN_DISK_GB; {fix}"),
+    """Free disk and memory; may ssh read REMOTE_ROOT (TCC refuses ~/Documents with EPERM, modes EACCES)."""
+    disk, mem, root, fix = f["disk"], f.get("memory") or {}, args.root, "see RUNBOOK.md#parity-resources"
+    free, avail = disk.get("free_bytes", -GB) / GB, (mem.get("available_bytes") or 0) / GB
+    out = [check("resources.disk", h, free >= args.min_disk_gb, f"cannot read free disk: {disk.get('error')}"
+                 if free < 0 else f"{free:.1f} GB free at {disk['path']} (minimum {args.min_disk_gb:g} GB)",
+                 f"free space on the host (du -sh {root}/runs/*), or lower MIN_DISK_GB; {fix}"),
            check("resources.memory", h, "pass" if avail >= MIN_MEM_GB else "warn",
-                 f"{avail:.1f} GB available of {total:.1f} GB (warn below {MIN_MEM_GB:g} GB)"
-                 if "available_bytes" in mem else f"cannot read free memory: {mem.get('error')}",
-                 f"stop other jobs on the host; {fix}")]
-    err, root, status, fix = disk.get("errno"), args.root, "fail", TCC_FIX
+                 f"{avail:.1f} GB available of {(mem.get('total_bytes') or 0) / GB:.1f} GB (warn below "
+                 f"{MIN_MEM_GB:g} GB)" if "available_bytes" in mem else f"cannot read free memory: "
+                 f"{mem.get('error')}", f"stop other jobs on the host; {fix}")]
+    err, status = disk.get("errno"), "fail"
     under = os.path.relpath(root, disk.get("home") or "/").split("/")[0]  # ".." when not under home
+    fix = ("on the host: Remote Login (i) > Allow full disk access for remote users, or move REMOTE_ROOT "
+           "out of ~/Desktop, ~/Documents, ~/Downloads; see RUNBOOK.md#parity-tcc")
     if err == "EPERM":
-        why = (f"{root}: Operation not permitted (EPERM): macOS privacy protection (TCC) refuses this ssh "
-               "session")
+        why = f"{root}: Operation not permitted (EPERM): macOS privacy protection (TCC) refuses ssh"
     elif err == "EACCES":
         why = f"{root}: Permission denied (EACCES): its owner or mode refuses the ssh user"
-        fix = f"ls -ld {root} on the host, then chown or chmod it for the ssh user; see RUNBOOK.md#parity-tcc"
+        fix = f"on the host: ls -ld {root}, then chown or chmod it; see RUNBOOK.md#parity-tcc"
     elif err not in (None, "ENOENT"):
         why = f"{root}: {disk.get('error')}"
     elif f["system"] == "Darwin" and under in ("Desktop", "Documents", "Downloads"):
-        status, why = "warn", (f"{root} lies under ~/{under}: ssh may read it only while full disk access "
-                               "for remote users stays on, and a macOS update can turn that off")
+        status, why = "warn", f"{root} lies under ~/{under}: a macOS update can take ssh's access away"
     else:
-        status = "pass"
-        why = f"{root} " + ("does not exist yet (sync creates it)" if err else "is readable over ssh")
+        status, why = "pass", f"{root} " + ("does not exist yet (sync creates it)" if err else "is readable")
     return out + [check("resources.remote_root", h, status, why, fix)]
 
 
 def eval_macos(args, h: str, f: dict, hf) -> list[dict]:
     """Thunderbolt, RDMA, sleep and wired memory from the macOS tools' output (skipped elsewhere)."""
     ranks, mac = [r for r in hf.hosts if r.ssh == h], f.get("macos") or {}
-    jaccl = hf.backend.startswith("jaccl")
-    ips = [ip for r in ranks for ip in r.ips]
+    ips, jaccl = [ip for r in ranks for ip in r.ips], hf.backend.startswith("jaccl")
     if f["system"] != "Darwin":
         names = ["resources.thunderbolt", "resources.sleep", "resources.wired"] + ["resources.rdma"] * jaccl
         return [check(n, h, "pass", f"skipped: not macOS ({f['system']})") for n in names]
@@ -205,72 +172,60 @@ def eval_macos(args, h: str, f: dict, hf) -> list[dict]:
     out = [check("resources.thunderbolt", h, "pass", f"skipped: {skip}") if skip else check(
         "resources.thunderbolt", h, *parity.thunderbolt_facts(ips, mac), "see RUNBOOK.md#parity-thunderbolt")]
     status, detail, flag = parity.sleep_facts(mac.get("pmset"), mac.get("pmset_ps"))
-    out += [check("resources.sleep", h, status, detail, f"on the host: sudo pmset {flag} sleep 0 (or System "
-                  "Settings > Energy: prevent automatic sleeping); caffeinate -i holds only while the ranks "
-                  "and make train run; see RUNBOOK.md#parity-sleep"), eval_wired(args, h, f)]
+    out += [check("resources.sleep", h, status, detail, f"on the host: sudo pmset {flag} sleep 0 (caffeinate"
+                  " -i holds only while the run does); see RUNBOOK.md#parity-sleep"), eval_wired(args, h, f)]
     if jaccl:
-        rdma = [e for r in ranks for e in r.rdma]
+        rdma = [d for r in ranks for d in r.rdma]
         wanted, missing, shown = parity.rdma_missing(rdma, mac.get("ibv_devices"))
-        detail = (f"ibv_devices does not list {', '.join(missing)} (lists: {', '.join(shown) or 'nothing'})"
-                  if missing else f"ibv_devices lists {', '.join(wanted)}")
-        out.append(check("resources.rdma", h, "fail" if missing else "pass", detail, "enable RDMA in "
-                         "recoveryOS (rdma_ctl enable), check the cables; see RUNBOOK.md#parity-thunderbolt"))
+        detail = f"lists {', '.join(shown) or 'nothing'}, not {', '.join(missing)}" if missing else (
+            f"lists {', '.join(wanted)}")
+        out.append(check("resources.rdma", h, not missing, "ibv_devices " + detail, "rdma_ctl enable in "
+                         "recoveryOS, check the cables; see RUNBOOK.md#parity-thunderbolt"))
     return out
 
 
 def eval_wired(args, h: str, f: dict) -> dict:
-    """A rank's need (this model's calibrated peak, weights included; else the weights) against Metal's
-    recommended working set (mlx-lm wires it; a raised iogpu.wired_limit_mb raises it)."""
+    """A rank's need (calibrated peak, else the weights) against Metal's recommended working set."""
     limit = parity.wired_limit_mb((f.get("macos") or {}).get("wired_limit"))
     ws, total = (f.get("mlx") or {}).get("working_set"), (f.get("memory") or {}).get("total_bytes") or 0
-    peak, fix = args.peaks.get(h), "see RUNBOOK.md#parity-wired-limit"
+    peak, fix, froze = args.peaks.get(h), "see RUNBOOK.md#parity-wired-limit", "over-wiring froze 16 GB Macs"
     need, safe_mb = max(args.model_bytes, peak or 0), max(total // MiB - 4096, 0)
     what = (f"calibrated peak {peak / GB:.1f} GB ({args.calibration}, weights included)" if peak else
             f"the model's {args.model_bytes / GB:.1f} GB of weights (no calibration of this model)")
     detail = (f"iogpu.wired_limit_mb {limit if limit else '0 (the default)'}; recommended working set "
               f"{(ws or 0) / GB:.1f} GB of {total / GB:.0f} GB; needs {what}")
-    froze = "over-wiring froze 16 GB Macs, exo#1672"
+    status = "pass" if ws else "warn"
     if limit and limit > safe_mb:
-        status, detail = "warn", f"{detail}: the limit leaves under 4 GB to macOS ({froze})"
+        status, detail = "warn", f"{detail}: the limit leaves under 4 GB to macOS ({froze}, exo#1672)"
         fix = f"on the host: sudo sysctl iogpu.wired_limit_mb={safe_mb} (or 0, the default); " + fix
     elif ws and need > ws:
-        status = "warn"
-        detail += f": over the working set by {(need - ws) / GB:.1f} GB (the GPU pages, or the run fails)"
+        status, detail = "warn", f"{detail}: over the working set by {(need - ws) / GB:.1f} GB (it pages)"
         fix = (f"a smaller per-rank batch (make calibrate), or on the host: sudo sysctl iogpu.wired_limit_mb="
-               f"{min(-(-need // MiB) + 1024, safe_mb)} (resets at reboot; keep 4 GB for macOS: {froze}); "
-               + fix)
-    elif ws:
-        status = "pass"
-    else:
-        status, detail = "warn", "mlx reports no recommended working set: " + detail
+               f"{min(-(-need // MiB) + 1024, safe_mb)} (resets at reboot; keep 4 GB for macOS: {froze}, "
+               f"exo#1672); {fix}")
+    elif not ws:
+        detail = "mlx reports no recommended working set: " + detail
     return check("resources.wired", h, status, detail, fix)
 
 
-def eval_link(h: str, f: dict) -> list[dict]:
-    """link.ips: the hostfile's IPs are this host's; link.rtt: the fastest TCP handshake to each peer IP."""
-    ips, link, out = f["ips"], f["link"], []
-    if ips and "error" not in ips:
-        missing = [ip for ip, ok in ips.items() if ok is not True]
-        out.append(check("link.ips", h, "fail" if missing else "pass",
-                         f"hostfile IP(s) {', '.join(missing)} are not this host's" if missing else
-                         f"owns {', '.join(ips)}", f"fix the hostfile's ips; {LINK_FIX}"))
-    if not link:
-        return out + [check("link.rtt", h, "pass", "skipped: no peers (one rank)")]
+def eval_link(args, h: str, f: dict) -> dict:
+    """link.rtt: the fastest TCP handshake to each peer IP (ring neighbours, or every rank for jaccl)."""
+    if not (link := f["link"]):
+        return check("link.rtt", h, "pass", "skipped: no peers (one rank)")
     if "error" in link:
-        return out + [check("link.rtt", h, "fail", f"probe error: {link['error']}", LINK_FIX)]
+        return check("link.rtt", h, "fail", f"probe error: {link['error']}", LINK_FIX)
     if dead := [f"{ip} ({v['error']})" for ip, v in link.items() if v["rtt_ms"] is None]:
-        return out + [check("link.rtt", h, "fail", "peer(s) unreachable: " + "; ".join(dead),
-                            f"check the cable/bridge and the peer's IP; {LINK_FIX}")]
-    slow = any(v["rtt_ms"] > RTT_WARN_MS for v in link.values())
-    shown = ", ".join(f"{ip} {v['rtt_ms']} ms (min of {v['tries']})" for ip, v in link.items())
-    return out + [check("link.rtt", h, "warn" if slow else "pass",
-                        (f"round trip above {RTT_WARN_MS:g} ms: " if slow else "") + f"{shown} (TCP :22)",
-                        f"the ring may run over Wi-Fi/Ethernet, not Thunderbolt; {LINK_FIX}")]
+        return check("link.rtt", h, "fail", "peer(s) unreachable: " + "; ".join(dead),
+                     f"check the cable/bridge and the peer's IP; {LINK_FIX}")
+    args.rtts[h] = max(v["rtt_ms"] for v in link.values())  # for the perfdata
+    shown = ", ".join(f"{ip} {v['rtt_ms']} ms (min of {v['tries']})" for ip, v in link.items()) + " (TCP :22)"
+    slow = f"round trip above {RTT_WARN_MS:g} ms: " if args.rtts[h] > RTT_WARN_MS else ""
+    return check("link.rtt", h, "warn" if slow else "pass", slow + shown,
+                 f"the ring may run over Wi-Fi/Ethernet, not Thunderbolt; {LINK_FIX}")
 
 
 def eval_content(args, h: str, f: dict, ref: dict) -> list[dict]:
-    """code, model, dataset: the host's files {rel: [size, sha256 or None]} equal this checkout's (the
-    model's sha256 only with --deep). A dataset not synced yet only warns."""
+    """code, model, dataset: the host's {rel: [size, sha256 or None]} equal this checkout's."""
     out = []
     for name, (_, where, _, _) in args.content.items():
         ours, theirs = ref[name], f[name]
@@ -280,30 +235,28 @@ def eval_content(args, h: str, f: dict, ref: dict) -> list[dict]:
             status = "warn" if name == "dataset" else "fail"
             detail = f"none of its {len(ours)} files exist on this host (not synced yet)"
         else:
-            differ = [p for p in set(ours) & set(theirs) if ours[p] != theirs[p]]
-            bad = listed("differs", differ) + listed("missing", set(ours) - set(theirs)) + listed(
-                "extra on host", set(theirs) - set(ours))
+            diff = {"differs": [p for p in set(ours) & set(theirs) if ours[p] != theirs[p]],
+                    "missing": set(ours) - set(theirs), "extra on host": set(theirs) - set(ours)}
+            bad = [f"{k}: {', '.join(sorted(v)[:5])}" + (f" (+{len(v) - 5} more)" if len(v) > 5 else "")
+                   for k, v in diff.items() if v]
             mb = sum(v[0] for v in ours.values()) / 1e6
-            status = "fail" if bad else "pass"
-            detail = "; ".join(bad) if bad else f"{len(ours)} files, {mb:.1f} MB identical"
+            status, detail = not bad, "; ".join(bad) or f"{len(ours)} files, {mb:.1f} MB identical"
         out.append(check(name, h, status, f"{where}: {detail}", args.fix[name]))
     return out
 
 
-def model_note(args) -> list[dict]:
+def model_note(args) -> dict:
     """MODEL when there is no local folder to compare: missing here, or a hub id each host resolves."""
-    if args.model_local:
-        return []
     if args.model.startswith((".", "/", "models/")):
-        return [check("model", "local", "fail", f"MODEL {args.model} does not exist here",
-                      "fetch it (make model HF_REPO=...) or set MODEL=; see RUNBOOK.md#parity-model")]
-    return [check("model", "-", "pass", f"skipped: MODEL {args.model} is a hub id (each host resolves it "
-                  "from its own cache)" if args.model else "skipped: no MODEL")]
+        return check("model", "local", "fail", f"MODEL {args.model} does not exist here",
+                     "fetch it (make model HF_REPO=...) or set MODEL=; see RUNBOOK.md#parity-model")
+    return check("model", "-", "pass", f"skipped: MODEL {args.model} is a hub id (each host resolves it "
+                 "from its own cache)" if args.model else "skipped: no MODEL")
 
 
 def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
     """The gate's checks for every host from its probe: results[host] = (facts or None, Result, seconds)."""
-    checks, facts = [], {}
+    checks, facts, fix = [], {}, args.fix["provision"]
     for h in hf.unique_ssh():
         f, r, secs = results[h]
         why = parity.python_failure(args.python, r) if f is None else None
@@ -313,34 +266,19 @@ def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
                 f"ssh works but the probe printed no result: {tail}",
                 "run the probe by hand: see RUNBOOK.md#parity-ssh")))
             continue
-        how = "local (127.0.0.1, like mlx.launch)" if is_local(h) else "ssh ok"  # this machine by name: ssh
+        how = "local (127.0.0.1, like mlx.launch)" if hostfile.is_local(h) else "ssh ok"  # by name: ssh
         checks.append(check("ssh", h, "pass", f"{how}, round trip {secs:.2f} s"))
         if why:  # PYTHON is missing or dies: nothing more can be asked of this host
-            checks.append(check("runtime.python", h, "fail", why, args.fix["provision"]))
+            checks.append(check("runtime.python", h, "fail", why, fix))
         else:
             facts[h] = f
-    pythons, fix = {k: v["python"] for k, v in facts.items()}, args.fix["provision"]
     for h, f in facts.items():
         if "runtime" in GATES[args.gate]:
-            checks += [eval_python(h, pythons, fix), *eval_packages(h, f, ref["lock"], fix),
-                       eval_env(h, f, hf.envs), *eval_resources(args, h, f), *eval_macos(args, h, f, hf),
-                       *eval_link(h, f)]
+            checks += eval_runtime(args, h, f, facts, ref["lock"], hf.envs)
+            checks += [*eval_resources(args, h, f), *eval_macos(args, h, f, hf), eval_link(args, h, f)]
         if "content" in GATES[args.gate]:
             checks += eval_content(args, h, f, ref)
-    return checks + (model_note(args) if "content" in GATES[args.gate] else [])
-
-
-def probe_host(args, h: str, hf, peers: dict, deadline: float) -> tuple:
-    """(facts or None, Result, seconds) of one host's probe."""
-    params = {"python": args.python, "remote_root": args.root, "parts": GATES[args.gate],
-              "own_ips": list(dict.fromkeys(ip for r in hf.hosts if r.ssh == h for ip in r.ips)),
-              "peers": peers.get(h, []), "link_enough_ms": RTT_WARN_MS / 4,
-              "rdma": hf.backend.startswith("jaccl"),
-              "content": {name: [there, parts, hashed] for name, (_, there, parts, hashed)
-                          in args.content.items()}}
-    t0 = time.monotonic()
-    facts, r = parity.probe(h, args.python, params, max(1.0, deadline - t0 - 0.5))
-    return facts, r, time.monotonic() - t0
+    return checks + ([model_note(args)] if "content" in GATES[args.gate] and not args.model_local else [])
 
 
 def run_checks(args, deadline: float) -> list[dict]:
@@ -351,48 +289,47 @@ def run_checks(args, deadline: float) -> list[dict]:
         return [check("hostfile" if e.anchor == "hostfile" else "inputs", "-", "fail", e.args[0],
                       f"see RUNBOOK.md#{e.anchor}")]
     hosts, peers = hf.unique_ssh(), parity.peers_of(hf)
+    params = {"python": args.python, "remote_root": args.root, "parts": GATES[args.gate],
+              "content": args.content, "link_enough_ms": RTT_WARN_MS / 4,
+              "rdma": hf.backend.startswith("jaccl")}
     with ThreadPoolExecutor(len(hosts)) as pool:  # every probe bounded by the deadline (subprocess timeout)
-        running = {h: pool.submit(probe_host, args, h, hf, peers, deadline) for h in hosts}
-        # this checkout's lock and files, hashed here while the hosts answer
-        ref = {"lock": (paths.ROOT / "requirements.lock").read_text(encoding="utf-8")}
+        running = {h: pool.submit(parity.probe, h, args.python, dict(params, peers=peers[h]), deadline)
+                   for h in hosts}
+        ref = {"lock": (paths.ROOT / "requirements.lock").read_text(encoding="utf-8")}  # while hosts answer
         if "content" in GATES[args.gate]:
-            ref.update({name: local_probe.probe_files(here, parts, hashed)
+            ref.update({name: parity_probe.probe_files(here, parts, hashed)
                         for name, (here, _, parts, hashed) in args.content.items()})
         results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
-    links = {h: (f or {}).get("link") or {} for h, (f, _, _) in results.items()}
-    args.rtts = {h: max(v["rtt_ms"] for v in link.values()) for h, link in links.items()  # for the perfdata
-                 if link and "error" not in link and None not in [v["rtt_ms"] for v in link.values()]}
     summary = f"{hf.backend or 'ring'}, {hf.size} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}"
     return [check("hostfile", "-", "pass", f"{args.hostfile}: {summary}")] + evaluate(args, hf, ref, results)
 
 
 def code_of(checks: list[dict]) -> int:
-    st = {c["status"] for c in checks}
-    return 2 if "fail" in st else 1 if "warn" in st else 0
+    return max([{"warn": 1, "fail": 2}.get(c["status"], 0) for c in checks], default=0)
 
 
 def perf_label(label: str) -> str:
     """A perfdata label: single-quoted (a quote doubled) unless plain, per the plugin guidelines."""
-    return label if re.fullmatch(r"[A-Za-z0-9_]+", label) else "'" + label.replace("'", "''") + "'"
+    plain = label.isascii() and label.replace("_", "a").isalnum()
+    return label if plain else "'" + label.replace("'", "''") + "'"
 
 
 def plugin_line(result: dict, args) -> str:
     """`PARITY <STATUS> - <summary> | <perfdata>` (Nagios plugin guidelines): which gate failed, and where."""
-    rows, summary = result["checks"], []
+    rows, summary, gates = result["checks"], [], GATES[args.gate]
     for part in ("runtime", "content"):
-        mine = [c for c in rows if ("content" if c["name"] in CONTENT else "runtime") == part]
+        mine = [c for c in rows if (c["name"] in ("code", "model", "dataset")) == (part == "content")]
         bad = [f"{c['name']} on {c['host']}" for c in mine if c["status"] != "pass"]
-        more = f", +{len(bad) - 4} more" if len(bad) > 4 else ""
-        if bad or (mine and part in GATES[args.gate]):
-            where = f" ({', '.join(bad[:4])}{more})" if bad else ""
+        where = f" ({', '.join(bad[:4])}{f', +{len(bad) - 4} more' if len(bad) > 4 else ''})" if bad else ""
+        if bad or (mine and part in gates):
             summary.append(f"{part} {STATUS[code_of(mine)]}{where}")
         else:  # a gate not asked for, or one that the hostfile or inputs stopped before it began
-            summary.append(f"{part} " + ("not reached" if part in GATES[args.gate] else
-                                         f"not checked (--gate {args.gate})"))
+            summary.append(f"{part} not reached" if part in gates else f"{part} not checked (--gate "
+                           f"{args.gate})")
     summary = [rows[0]["detail"][:200]] if result["code"] == 3 else summary
     n = Counter(c["status"] for c in rows)
     perf = [f"duration={result['duration_s']}s;;;0", f"failed={n['fail']};;;0", f"warned={n['warn']};;;0"]
-    perf += [f"{perf_label('rtt_' + h)}={ms}ms;;;0" for h, ms in getattr(args, "rtts", {}).items()]
+    perf += [f"{perf_label('rtt_' + h)}={ms}ms;;;0" for h, ms in args.rtts.items()]
     return f"PARITY {result['status']} - " + "; ".join(summary).replace("|", "/") + " | " + " ".join(perf)
 
 
@@ -432,7 +369,7 @@ def checked(args) -> tuple[list[dict], int]:
 
 def main() -> int:
     args = build_parser().parse_args()
-    t0, state = time.monotonic(), Path(args.state_dir)
+    t0, state, args.rtts = time.monotonic(), Path(args.state_dir), {}
     args.timeout = args.timeout or (600.0 if args.deep else 20.0)
     state.mkdir(parents=True, exist_ok=True)
     with open(state / ".lock", "a+") as lock:
@@ -440,8 +377,7 @@ def main() -> int:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another run holds it: say so, touch nothing
             lock.seek(0)
-            pid = lock.read().strip() or "?"
-            why = f"another check-parity is running (pid {pid} holds {state / '.lock'})"
+            why = f"another check-parity is running (pid {lock.read().strip() or '?'} holds {lock.name})"
             checks, code, last = [check("lock", "-", "fail", why + "; this run exits without checking",
                                         "wait for it to finish; see RUNBOOK.md#parity-lock")], 3, None
         else:

@@ -1,9 +1,7 @@
-"""check-parity's orchestrator side: the probe call, ssh and PYTHON failures, the lock's pins,
-topology, and macOS tools' output (parsed here, tested on recorded output in tests/fixtures/macos/).
-
-Example: `parity.probe("mac5", PYTHON, {"parts": ["runtime"]}, 20)` -> (facts or None, Result): one
-ssh round trip (local for 127.0.0.1, as mlx.launch does) running lib/parity_probe.py under PYTHON.
-"""
+"""check-parity's orchestrator side (bin/check_parity.py; bench uses CODE_PARTS): the probe call, ssh and
+PYTHON failures, the lock's pins, topology, and the macOS tools' output (tested on tests/fixtures/macos/).
+Example: `parity.probe("mac5", PYTHON, {"parts": ["runtime"]}, time.monotonic() + 20)` -> (facts or None,
+Result, seconds): one ssh round trip (local for 127.0.0.1, as mlx.launch does) running lib/parity_probe.py."""
 
 from __future__ import annotations
 
@@ -11,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import time
 from pathlib import Path
 
 from lib.hostfile import Hostfile
@@ -21,19 +20,29 @@ CODE_PARTS = ["bin", "lib", "configs", "requirements.lock"]
 # What runtime.packages compares: mlx, mlx-lm and the four they load, plus mlx's platform wheel.
 PACKAGES = ["mlx", "mlx-lm", "numpy", "transformers", "tokenizers", "safetensors", "mlx-cpu", "mlx-metal"]
 LOCK_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)\s*(?:;\s*(.*?))?\s*\\?\s*$")
-# A constant script: $1 = PYTHON, $2 = the probe's JSON parameters, its source on stdin. Exit 97 with
-# a last stderr line "@@ missing" or "@@ exit N" when PYTHON does not exist or dies before it prints.
-PROBE_SH = r"""
-if [ ! -x "$1" ] || [ -d "$1" ]; then echo "@@ missing" >&2; exit 97; fi
-"$1" -c "$(cat)" "$2" </dev/null || { echo "@@ exit $?" >&2; exit 97; }
-"""
+# $1 = PYTHON, $2 = the probe's JSON parameters, its source on stdin. Exit 97 with a last stderr line
+# "@@ missing" or "@@ exit N" when PYTHON does not exist or dies before it prints.
+PROBE_SH = r"""if [ ! -x "$1" ] || [ -d "$1" ]; then echo "@@ missing" >&2; exit 97; fi
+"$1" -c "$(cat)" "$2" </dev/null || { echo "@@ exit $?" >&2; exit 97; }"""
+SSH_FAILURES = [  # (stderr pattern, detail, fix): {last} = ssh's last line; {ssh} {host} in the fix
+    ("IDENTIFICATION HAS CHANGED|Offending|Host key verification failed|host key is known",
+     "host key unknown or CHANGED (a reinstalled host, or an attack): ssh never prompts here",
+     "confirm the host's key fingerprint, then (if it changed: ssh-keygen -R {host}) "
+     "{ssh} -o StrictHostKeyChecking=accept-new {host} true; see RUNBOOK.md#parity-ssh-host-key"),
+    ("Permission denied", "authentication refused: {last}", "install your key: ssh-copy-id {host}"),
+    ("Connection refused", "sshd not listening: {last}",
+     "start sshd on the host (macOS: System Settings > General > Sharing > Remote Login)"),
+    ("timed out|No route|unreachable|Host is down|resolve", "host unreachable: {last}",
+     "check the hostfile's name (or ~/.ssh/config), that the host is up, and the cable: {ssh} {host} true"),
+]
 
 
-def probe(host: str, python: str, params: dict, timeout: float) -> tuple[dict | None, Result]:
-    """Run the probe on `host`: (its facts or None, the raw Result)."""
+def probe(host: str, python: str, params: dict, deadline: float) -> tuple[dict | None, Result, float]:
+    """Run the probe on `host` by `deadline` (time.monotonic()): (its facts or None, the Result, seconds)."""
+    t0 = time.monotonic()
     argv = ["sh", "-c", PROBE_SH, "parity-probe", python, json.dumps(params, sort_keys=True)]
-    r = run_on(host, argv, timeout=timeout, input=PROBE_SOURCE.read_text(encoding="utf-8"))
-    return parse_probe_output(r.stdout), r
+    r = run_on(host, argv, timeout=max(1.0, deadline - t0 - 0.5), input=PROBE_SOURCE.read_text("utf-8"))
+    return parse_probe_output(r.stdout), r, time.monotonic() - t0
 
 
 def parse_probe_output(stdout: str) -> dict | None:
@@ -52,44 +61,23 @@ def python_failure(python: str, r: Result) -> str | None:
     return f"PYTHON {python} exists but does not run ({lines[-1][3:]}: {' | '.join(lines[-3:-1])[-300:]})"
 
 
-HOST_KEY = "see RUNBOOK.md#parity-ssh-host-key"
-SSH_FAILURES = [  # (stderr pattern, detail, fix): {last} = ssh's last line; {ssh} {host} in the fix
-    ("IDENTIFICATION HAS CHANGED|Offending|Host key verification failed|host key is known",
-     "host key unknown or CHANGED (a reinstalled host, or an attack): ssh never prompts here",
-     "confirm the host's key fingerprint, then (if it changed: ssh-keygen -R {host}) "
-     "{ssh} -o StrictHostKeyChecking=accept-new {host} true; " + HOST_KEY),
-    ("Permission denied", "authentication refused: {last}",
-     "install your key on the host: ssh-copy-id {host}"),
-    ("Connection refused", "sshd not listening: {last}",
-     "start sshd on the host (macOS: System Settings > General > Sharing > Remote Login)"),
-    ("timed out|No route|unreachable|Host is down|resolve", "host unreachable: {last}",
-     "check the name in the hostfile (or ~/.ssh/config), that the host is up, and the cable or network: "
-     "{ssh} {host} true"),
-]
-
-
 def ssh_failure(host: str, r: Result) -> tuple[str, str]:
     """(detail, fix) for an ssh call that did not run the remote command."""
     err = (r.stderr or "").strip()
     last = err.splitlines()[-1][:300] if err else f"exit {r.returncode}"
     detail, fix = next(((d, f) for pat, d, f in SSH_FAILURES if re.search(pat, err)), (
         f"ssh failed (exit {r.returncode}): {last}", "run it by hand to see why: {ssh} {host} true"))
-    if r.timed_out:
-        detail = f"no answer within the time bound ({last})"
+    detail = f"no answer within the time bound ({last})" if r.timed_out else detail.format(last=last)
     cfg = os.environ.get("SSH_CONFIG")
     fix = fix.format(ssh=shlex.join(["ssh", "-F", cfg]) if cfg else "ssh", host=host)
-    return detail.format(last=last), fix if "RUNBOOK.md#" in fix else fix + "; see RUNBOOK.md#parity-ssh"
+    return detail, fix if "RUNBOOK.md#" in fix else fix + "; see RUNBOOK.md#parity-ssh"
 
 
 def lock_pins(text: str, env: dict) -> dict[str, str]:
     """{normalized name: version} a uv/pip-compile lock installs on a host with this PEP 508 marker env."""
     from packaging.markers import Marker
-
-    pins = {}
-    for m in filter(None, map(LOCK_LINE.match, text.splitlines())):
-        if not m.group(3) or Marker(m.group(3)).evaluate(dict(env, extra="")):
-            pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
-    return pins
+    return {re.sub(r"[-_.]+", "-", m[1]).lower(): m[2] for m in map(LOCK_LINE.match, text.splitlines())
+            if m and (not m[3] or Marker(m[3]).evaluate(dict(env, extra="")))}
 
 
 def peers_of(hf: Hostfile) -> dict[str, list[str]]:
@@ -97,32 +85,26 @@ def peers_of(hf: Hostfile) -> dict[str, list[str]]:
     n, out = hf.size, {}
     for h in hf.hosts:
         others = range(n) if hf.backend == "jaccl" else ((h.rank - 1) % n, (h.rank + 1) % n)
-        ips = out.setdefault(h.ssh, [])
-        for j in sorted(set(others) - {h.rank}):
-            if hf.hosts[j].ips and hf.hosts[j].ips[0] not in ips:
-                ips.append(hf.hosts[j].ips[0])
+        ips = [hf.hosts[j].ips[0] for j in sorted(set(others) - {h.rank}) if hf.hosts[j].ips]
+        out[h.ssh] = list(dict.fromkeys(out.get(h.ssh, []) + ips))
     return out
 
 
-# ---- macOS tools (parsed here from their real output; tests/fixtures/macos/) ---------------
-
 def parse_hardware_ports(text: str) -> dict[str, str]:
     """`networksetup -listallhardwareports` -> {device: hardware port name}."""
-    pairs = re.findall(r"(?m)^Hardware Port: (.*?)\s*\nDevice: (\S+)", text)
-    return {dev: port for port, dev in pairs}
+    return {dev: port for port, dev in re.findall(r"(?m)^Hardware Port: (.*?)\s*\nDevice: (\S+)", text)}
 
 
 def parse_ifconfig(text: str) -> dict[str, dict]:
     """macOS `ifconfig` -> {iface: {"flags": [...], "inet": [...], "members": [...], "status": str}}."""
     out, cur = {}, {}
     for line in text.splitlines():
-        m = re.match(r"^([A-Za-z0-9_.-]+): flags=\w+<([^>]*)>", line)
-        if m:
-            cur = out.setdefault(m.group(1), {"flags": m.group(2).split(","), "inet": [], "members": [],
-                                              "status": ""})
-        elif cur and line.strip().split(" ")[0] in ("inet", "member:"):
-            cur["inet" if line.strip().startswith("inet") else "members"].append(line.split()[1])
-        elif cur and line.strip().startswith("status: "):
+        word = line.strip().split(" ")[0]
+        if m := re.match(r"^([A-Za-z0-9_.-]+): flags=\w+<([^>]*)>", line):
+            cur = out.setdefault(m[1], {"flags": m[2].split(","), "inet": [], "members": [], "status": ""})
+        elif cur and word in ("inet", "member:"):
+            cur["inet" if word == "inet" else "members"].append(line.split()[1])
+        elif cur and word == "status:":
             cur["status"] = line.split(":", 1)[1].strip()
     return out
 
@@ -139,8 +121,8 @@ def parse_thunderbolt(text: str) -> list[dict]:
     for bus in json.loads(text).get("SPThunderboltDataType", []):
         tag = next((v for k, v in bus.items() if k.startswith("receptacle_") and isinstance(v, dict)), {})
         peers = [i.get("device_name_key") or i.get("_name", "?") for i in bus.get("_items", [])]
-        ports.append({"receptacle": tag.get("receptacle_id_key", "?"),
-                      "speed": tag.get("current_speed_key", ""), "peers": peers})
+        ports.append({"receptacle": tag.get("receptacle_id_key", "?"), "peers": peers,
+                      "speed": tag.get("current_speed_key", "")})
     return ports
 
 
@@ -152,29 +134,25 @@ def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
     problems, warns, notes = [], [], []
     for ip in ips:
         iface = next((name for name, f in ifaces.items() if ip in f["inet"]), None)
+        port, f = ports.get(iface, ""), ifaces.get(iface, {})
+        up = [m for m in f.get("members", []) if ifaces.get(m, {}).get("status") == "active"]
         if iface is None:
             problems.append(f"{ip} is on no interface")
-            continue
-        port, f = ports.get(iface, ""), ifaces[iface]
-        up = [m for m in f["members"] if ifaces.get(m, {}).get("status") == "active"]
-        if not (port.startswith("Thunderbolt") or f["members"] and
-                all(ports.get(m, "").startswith("Thunderbolt") for m in f["members"])):
-            warns.append(f"{ip} is on {iface} ({port or 'unknown port'}), not Thunderbolt: "
-                         "ring traffic will not use the Thunderbolt link")
+        elif not (port.startswith("Thunderbolt") or f["members"] and
+                  all(ports.get(m, "").startswith("Thunderbolt") for m in f["members"])):
+            warns.append(f"{ip} is on {iface} ({port or 'unknown port'}), not Thunderbolt")
         elif f["status"] and f["status"] != "active":
             problems.append(f"{ip} is on {iface} ({port}) but its status is {f['status']}")
         elif f["members"] and not up:
             problems.append(f"{iface} has no active member ({', '.join(f['members'])})")
         else:
             notes.append(f"{ip} on {iface} ({port}" + (f"; active: {', '.join(up)})" if up else ")"))
-    connected = [p for p in tb if p["peers"]]
+    connected = [f"{p['peers'][0]} on port {p['receptacle']} at {p['speed']}" for p in tb if p["peers"]]
     if tb and not connected:
         problems.append("no Thunderbolt peer connected on any port (system_profiler): check the cable")
-    elif connected:
-        notes.append("peer " + ", ".join(f"{p['peers'][0]} on port {p['receptacle']} at {p['speed']}"
-                                         for p in connected))
+    notes += ["peer " + ", ".join(connected)] if connected else []
     status = "fail" if problems else "warn" if warns else "pass"
-    return status, "; ".join(problems + warns + notes if status != "fail" else problems + warns)
+    return status, "; ".join(problems + warns + ([] if problems else notes))
 
 
 def rdma_missing(row: list, ibv_output: object) -> tuple[list[str], list[str], list[str]]:
@@ -185,9 +163,7 @@ def rdma_missing(row: list, ibv_output: object) -> tuple[list[str], list[str], l
 
 
 def sleep_facts(pmset: object, ps: object) -> tuple[str, str, str]:
-    """(pass|warn, detail, pmset flag): `pmset -g` shows the current power source's (`pmset -g ps`)
-    settings; sleep N > 0 sleeps after N idle minutes ("sleep prevented by X" lasts while X runs;
-    disksleep is harmless)."""
+    """(pass|warn, detail, pmset flag): sleep N > 0 in `pmset -g` sleeps after N idle minutes."""
     m = re.search(r"(?m)^\s*sleep\s+(\d+)(.*)$", pmset if isinstance(pmset, str) else "")
     src = re.search(r"Now drawing from '([^']+)'", ps if isinstance(ps, str) else "")
     source = src.group(1) if src else "the current power source"

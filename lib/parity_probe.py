@@ -1,6 +1,6 @@
 """The host side of check-parity: one self-contained probe (standard library, and packaging) that prints one
-JSON object of facts; it only reads. lib/parity.py's PROBE_SH runs it as `PYTHON -c <source> '<params>'`.
-Example, by hand:
+JSON object of facts; it only reads. lib/parity.py's PROBE_SH runs it as `PYTHON -c <source> '<params>'`;
+by hand:
     python lib/parity_probe.py '{"remote_root": "/Users/op/thunder-runbook", "parts": ["runtime"]}'
 """
 
@@ -16,35 +16,27 @@ import socket
 import sys
 import time
 
-CMD_TIMEOUT = 8  # seconds, for each macOS tool
-
 
 def iter_files(root, parts):
     """lib.hashing.iter_files's rule (a test keeps them in step): hidden files and __pycache__ skipped."""
-    out = set()
+    out = {part for part in parts if os.path.isfile(os.path.join(root, part))}
     for part in parts:
-        if os.path.isfile(os.path.join(root, part)):
-            out.add(part)
-        for dirpath, dirnames, filenames in os.walk(os.path.join(root, part)):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
-            for name in filenames:
-                full = os.path.join(dirpath, name)
-                if not name.startswith(".") and os.path.isfile(full):
-                    out.add(os.path.relpath(full, root).replace(os.sep, "/"))
+        for top, dirs, names in os.walk(os.path.join(root, part)):
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+            out.update(os.path.relpath(os.path.join(top, n), root).replace(os.sep, "/") for n in names
+                       if not n.startswith(".") and os.path.isfile(os.path.join(top, n)))
     return sorted(out)
 
 
 def marker_env():
     """PEP 508 marker variables of this interpreter (the lock's pins depend on them)."""
     from packaging.markers import default_environment  # in every venv the lock builds (transformers needs it)
-
     return default_environment()
 
 
 def installed_dists():
     """{normalized name: version} of the distributions on sys.path; the first wins, as for import."""
     from importlib import metadata
-
     return {re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower(): d.version
             for d in reversed(list(metadata.distributions()))}
 
@@ -53,7 +45,6 @@ def probe_mlx():
     """Import mlx.core from the interpreter under test, compute one small op, read Metal's working set."""
     t0 = time.monotonic()
     import mlx.core as mx
-
     value = (mx.array([1.0, 2.0, 3.0]) * 2).sum().item()
     return {"ok": abs(value - 12.0) < 1e-6, "version": getattr(mx, "__version__", None), "result": value,
             "file": getattr(mx, "__file__", None), "device": str(mx.default_device()),
@@ -76,7 +67,7 @@ def probe_root(root):
     path = root
     while path != os.path.dirname(path) and not os.path.exists(path):
         path = os.path.dirname(path)
-    st = os.statvfs(path or "/")
+    st = os.statvfs(path)
     out = {"path": path, "free_bytes": st.f_bavail * st.f_frsize, "home": os.path.expanduser("~")}
     try:
         os.listdir(root)
@@ -86,62 +77,44 @@ def probe_root(root):
 
 
 def probe_memory():
-    """{"total_bytes", "available_bytes"}: /proc/meminfo on Linux; sysctl and vm_stat on macOS
-    (free + inactive + purgeable + speculative pages: what it hands out without swapping)."""
-    if sys.platform == "darwin":
-        pages, page = {}, 16384
-        for line in run(["vm_stat"]).splitlines():
-            if "page size of" in line:
-                page = int(line.split("page size of")[1].split()[0])
-            k, _, v = line.partition(":")
-            if v.strip().rstrip(".").isdigit():
-                pages[k.strip()] = int(v.strip().rstrip("."))
-        avail = sum(pages.get("Pages " + k, 0) for k in ("free", "inactive", "purgeable", "speculative"))
-        total = int(run(["sysctl", "-n", "hw.memsize"]).strip())
-        return {"total_bytes": total, "available_bytes": avail * page}
-    with open("/proc/meminfo") as f:
-        info = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)}
-    return {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable")}
+    """Total and available bytes: MemAvailable on Linux; on macOS vm_stat's free, inactive, purgeable and
+    speculative pages (what it hands out without swapping)."""
+    out = {"total_bytes": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")}
+    if sys.platform != "darwin":
+        with open("/proc/meminfo") as f:
+            return dict(out, available_bytes=int(re.search(r"MemAvailable:\s*(\d+) kB", f.read())[1]) << 10)
+    text = run(["vm_stat"])
+    pages = re.findall(r"(?m)^Pages (?:free|inactive|purgeable|speculative):\s+(\d+)", text)
+    return dict(out, available_bytes=sum(map(int, pages)) * int(re.search(r"page size of (\d+)", text)[1]))
 
 
-def probe_ips(ips):
-    """An address is this host's exactly when a socket can bind to it."""
-    out = {}
-    for ip in ips:
-        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
-            out[ip] = guard(s.bind, (ip, 0)) is None
-    return out
-
-
-def probe_link(peers, enough_ms, port=22, timeout=1.0, tries=7):
-    """Round trip to each peer IP: the fastest of up to `tries` TCP handshakes to `port` (refused is an
+def probe_link(peers, enough_ms, tries=7):
+    """Round trip to each peer IP: the fastest of up to `tries` TCP handshakes to port 22 (refused is an
     answer too); two under `enough_ms` end it (each accepted one starts a peer sshd process)."""
     out = {}
     for ip in peers:
-        best, err, n = None, None, 0
-        while n < tries and not (n >= 2 and best * 1000 < enough_ms):
+        times, err = [], None
+        while len(times) < tries and not (len(times) >= 2 and min(times) * 1000 < enough_ms):
             with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
-                s.settimeout(timeout)
+                s.settimeout(1.0)
                 t0 = time.perf_counter()
                 try:
-                    s.connect((ip, port))
+                    s.connect((ip, 22))
                 except ConnectionRefusedError:
                     pass
                 except OSError as e:
                     err = f"{type(e).__name__}: {e}"
                     break
-                dt = time.perf_counter() - t0
-            best, n = dt if best is None else min(best, dt), n + 1
-        out[ip] = {"rtt_ms": None if best is None else round(best * 1000, 3), "tries": n,
-                   "error": err if best is None else None}
+                times.append(time.perf_counter() - t0)
+        out[ip] = {"rtt_ms": round(min(times) * 1000, 3) if times else None, "tries": len(times),
+                   "error": None if times else err}
     return out
 
 
 def run(argv):
     import subprocess  # macOS only: not imported on the common path
-
     return subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=CMD_TIMEOUT).stdout
+                          text=True, timeout=8).stdout
 
 
 def probe_macos(want_rdma):
@@ -150,8 +123,7 @@ def probe_macos(want_rdma):
             "system_profiler": ["system_profiler", "SPThunderboltDataType", "-json"],
             "pmset": ["pmset", "-g"], "pmset_ps": ["pmset", "-g", "ps"],
             "wired_limit": ["sysctl", "-n", "iogpu.wired_limit_mb"]}
-    if want_rdma:
-        cmds["ibv_devices"] = ["ibv_devices"]
+    cmds.update({"ibv_devices": ["ibv_devices"]} if want_rdma else {})
     return {key: guard(run, argv) for key, argv in cmds.items()}
 
 
@@ -168,17 +140,16 @@ def main(argv):
     root, parts = p.get("remote_root") or "/", p.get("parts") or ["runtime", "content"]
     python = p.get("python") or sys.executable
     env = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
-    res = {"probe_version": 4, "system": platform.system(), "marker_env": marker_env(), "env": env,
+    res = {"probe_version": 5, "system": platform.system(), "marker_env": marker_env(), "env": env,
            "python": {"requested": python, "realpath": os.path.realpath(python),
                       "version": platform.python_version()}, "disk": guard(probe_root, root)}
     if "runtime" in parts:
         res.update(packages=guard(installed_dists), mlx=guard(probe_mlx), memory=guard(probe_memory),
-                   ips=guard(probe_ips, p.get("own_ips", [])),
                    link=guard(probe_link, p.get("peers", []), float(p.get("link_enough_ms", 0.5))))
         if sys.platform == "darwin":
             res["macos"] = probe_macos(bool(p.get("rdma")))
-    if "content" in parts:  # {name: [folder, parts, hashed]}: code and dataset hashed, the model with --deep
-        for name, (base, names, hashed) in p.get("content", {}).items():
+    if "content" in parts:  # {name: [its folder here, on this host, parts, hashed]}: the model with --deep
+        for name, (_, base, names, hashed) in p.get("content", {}).items():
             res[name] = guard(probe_files, base, names, hashed)
     res["seconds"] = round(time.monotonic() - t0, 3)
     sys.stdout.write(json.dumps(res, sort_keys=True) + "\n")

@@ -242,11 +242,15 @@ def test_wired_limit_and_working_set_against_the_calibrated_peak(tmp_path, monke
     mod = load_script("check_parity")
     monkeypatch.setattr(mod.paths, "RUNS", tmp_path)
     atomic.write_json(tmp_path / "calibration-20260101T000000Z.json", {  # bin/calibrate.py's format
-        "model": "models/big", "recommendation": {"per_rank_batch": 2}, "hosts": [{"ssh": "mac5", "sweep": [
+        "model": "models/big", "config": {"loss": "chunked"}, "recommendation": {"per_rank_batch": 2},
+        "hosts": [{"ssh": "mac5", "sweep": [
             {"batch": 1, "peak_mem_bytes": 9 << 30}, {"batch": 2, "peak_mem_bytes": 12 << 30},
             {"batch": 4, "peak_mem_bytes": 15 << 30, "over_memory": True}]}]})
     assert mod.calibrated_peaks("models/big") == ({"mac5": 12 << 30}, "calibration-20260101T000000Z.json")
     assert mod.calibrated_peaks("models/other") == ({}, "")
+    # a calibration of another loss says nothing of this config's peak (stage1.yaml: chunked; smoke: default)
+    assert mod.calibrated_peaks("models/big", str(ROOT / "configs" / "stage1.yaml"))[0] == {"mac5": 12 << 30}
+    assert mod.calibrated_peaks("models/big", str(ROOT / "configs" / "smoke.yaml")) == ({}, "")
     args = parsed_args(mod, tmp_path)
     args.peaks, args.calibration = mod.calibrated_peaks("models/big")
     mac16 = {"macos": {"wired_limit": "0\n"}, "mlx": {"working_set": int(10922.67 * (1 << 20))},
@@ -349,7 +353,7 @@ def test_local_default_is_ok_with_one_json_object(tmp_path):
         assert set(c) == {"name", "host", "status", "detail", "fix"} and c["status"] in ("pass", "warn", "fail")
     names = {c["name"] for c in out["checks"]}
     assert {"hostfile", "ssh", "runtime.python", "runtime.packages", "runtime.mlx", "code", "resources.disk",
-            "resources.memory", "link.ips", "link.rtt"} <= names
+            "resources.memory", "link.rtt"} <= names
     assert json.loads((tmp_path / "last.json").read_text()) == out
 
 
@@ -780,7 +784,7 @@ def test_fabric_identical_hosts_exit_0(fab, fab_data, tmp_path):
         st = statuses(out)
         for h in fab.hosts[:n]:
             for name in ("ssh", "runtime.python", "runtime.packages", "runtime.mlx", "code", "model", "dataset",
-                         "resources.disk", "link.ips", "link.rtt"):
+                         "resources.disk", "link.rtt"):
                 assert st[(name, h)] == "pass", (name, h, out)
 
 
