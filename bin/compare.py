@@ -128,8 +128,7 @@ def run_facts(role: str, run_id: str) -> dict:
 
 
 def comparability(dual: dict, control: dict, disk_dataset: str | None, disk_model: str | None) -> dict:
-    """What must be equal for the comparison to mean anything, each check with both values; problems
-    (not comparable) name their fix, warnings are worth a look."""
+    """What must be equal, each check with both values; problems (not comparable) name their fix."""
     run, dcfg, ccfg = dual["run"], dual["config"], control["config"]
     ds, dsha, msha = dual["dataset"], dual["dataset_sha256"], str(dual["model_sha256"])
     keys = (set(config.DEFAULTS) - config.RESUMABLE - LADDER_KEYS - {"seed"}) & (set(dcfg) | set(ccfg))
@@ -170,11 +169,9 @@ def comparability(dual: dict, control: dict, disk_dataset: str | None, disk_mode
 def decide(dual: dict, control: dict, losses: dict, problems: list[str], tolerance: float,
            min_speedup: float = DEFAULT_MIN_SPEEDUP, min_gain: float = DEFAULT_MIN_GAIN,
            calibration: dict | None = None) -> dict:
-    """The verdict from the run facts and the test losses of "base", "control", "dual" (None: not
-    evaluated; no "base": no base check), the first that applies: the dual run's own failure (a NaN
-    adapter: stability); `worse than the base model` (dual loss not below base x (1 - min_gain));
-    `not comparable`; the Thunder path (exactness, loss above (1 + tolerance) x the control's, speedup
-    not above min_speedup: link_call says if the link is why)."""
+    """The verdict from the run facts and test losses ("base", "control", "dual"; None: not evaluated), the
+    first that applies: the dual run's own failure, worse than the base model (by min_gain), not comparable,
+    the Thunder path (exactness, loss over (1 + tolerance) x the control's, speedup not over min_speedup)."""
     dt, ct = dual.get("tok_per_s"), control.get("tok_per_s")
     dl, cl, bl = (losses.get(k) for k in ("dual", "control", "base"))
     speedup = dt / ct if dt and ct else None
@@ -271,9 +268,8 @@ def calibration_of(dual: dict) -> dict | None:
 
 
 def exactness(dual: dict, control: dict) -> dict | None:
-    """With token-weighted gradients on both runs (else None), step 1 (same weights, same global batch)
-    may differ from the control only by float summation order (EXACT_REL); later steps are reported,
-    not judged (float error compounds through the optimizer)."""
+    """With token-weighted gradients on both runs (else None), step 1 may differ from the control only by
+    float summation order (EXACT_REL); later steps are reported, not judged (the optimizer compounds it)."""
     if not all((r.get("config") or {}).get("grad_average") == "tokens" for r in (dual, control)):
         return None
     d, c = (dict(curve(r.get("metrics") or [], "step")) for r in (dual, control))
@@ -341,8 +337,7 @@ def evaluate_models(model: str, adapters: dict[str, str | None], data_dir: Path,
 
 
 def plot_curves(path: Path, dual: dict, control: dict, losses: dict, verdict: str) -> None:
-    """Train (solid) and validation (dashed) loss of both runs (the control wide and pale under the dual
-    run), each adapter's test loss a star, the base model's a dotted line."""
+    """Train and validation loss of both runs, each adapter's test loss a star, the base model's a line."""
     import matplotlib
 
     matplotlib.use("Agg")
