@@ -65,24 +65,20 @@ def fmt(x, spec: str = ".4f") -> str:
     return "–" if x is None else format(x, spec) if spec and isinstance(x, (int, float)) else str(x)
 
 
-def throughput(mets: list[dict]) -> dict:
-    """Steady-state tok/s of the `step` events without each launch's first step (its compile; a launch
-    starts where wall_s goes back)."""
+def throughput(mets: list[dict]) -> float | None:
+    """Steady-state tok/s: global tokens over step time of the `step` events, each launch's first step
+    left out (its compile; a launch starts where wall_s goes back)."""
     tokens = seconds = 0.0
-    launches, last_wall, n = 0, None, 0
+    last_wall = None
     for m in mets:
         if m.get("kind") != "step" or not (finite(m.get("tokens")) and finite(m.get("step_s"))):
             continue
         wall = finite(m.get("wall_s"))
         if last_wall is None or (wall is not None and wall < last_wall):
-            launches, last_wall = launches + 1, wall
+            last_wall = wall
         else:
-            last_wall, n = wall or last_wall, n + 1
-            tokens, seconds = tokens + m["tokens"], seconds + m["step_s"]
-    if not (n and seconds > 0):
-        return {"tok_per_s": None, "method": "no step events with tokens and step_s in metrics.jsonl"}
-    return {"tok_per_s": tokens / seconds, "method": f"step events: {int(tokens)} tokens / {seconds:.3f} s "
-            f"over {n} steps (first step of {launches} launch(es) left out: compile)"}
+            last_wall, tokens, seconds = wall or last_wall, tokens + m["tokens"], seconds + m["step_s"]
+    return tokens / seconds if seconds > 0 else None
 
 
 def curve(mets: list[dict], kind: str) -> list[tuple[int, float]]:
@@ -107,7 +103,7 @@ def run_facts(role: str, run_id: str) -> dict:
     adapter = paths.ROOT / summary["adapter"] if summary.get("adapter") else run_dir / "adapters"
     has_adapter = all((adapter / f).is_file() for f in ("adapters.safetensors", "adapter_config.json"))
     hostfile = man.get("hostfile") if isinstance(man.get("hostfile"), dict) else {}
-    hosts, tp = [h.get("ssh") for h in hostfile.get("hosts", [])], throughput(mets)
+    hosts = [h.get("ssh") for h in hostfile.get("hosts", [])]
     world = summary.get("world_size") or man.get("world_size") or len(hosts)
     repro = run_dir / "reproduce.sh"  # its sections by stage (lib/launch.write_reproduce)
     sections = repro.read_text(encoding="utf-8").split("\n# --- stage: ")[1:] if repro.is_file() else []
@@ -121,7 +117,7 @@ def run_facts(role: str, run_id: str) -> dict:
         "config": cfg, "seed": cfg.get("seed"), "batch_size": (bs := cfg.get("batch_size")),
         "global_batch": bs and bs * (cfg.get("grad_accumulation_steps") or 1),
         "adapter": paths.rel(adapter) if has_adapter else None, "stage_wall_s": finite(summary.get("wall_s")),
-        "metrics": mets, "tok_per_s": finite(tp["tok_per_s"]), "tok_per_s_method": tp["method"],
+        "metrics": mets, "tok_per_s": finite(throughput(mets)),
         "checkpoints_written": sum(m.get("kind") == "checkpoint" for m in mets),
         "reproduce": {b.split(" ", 1)[0]: "# --- stage: " + b.strip() for b in sections},
     }
@@ -160,8 +156,7 @@ def comparability(dual: dict, control: dict, disk_dataset: str | None, disk_mode
         fb = r.get("fallback") or {}
         out["warnings"] += [text for cond, text in (
             (r["git"].get("dirty"), f"{r['run']} ran from a dirty tree: its reproduction is not exact"),
-            (fb, f"{r['run']} lost {fb.get('lost')} and finished on {fb.get('hosts')} (FALLBACK=1): "
-             "not the dual-host result"),
+            (fb, f"{r['run']} lost {fb.get('lost')}, ran on {fb.get('hosts')} (FALLBACK=1): not dual-host"),
             (r.get("attempts"), f"{r['run']} restarted {r.get('attempts')} time(s) (RESTARTS)")) if cond]
     return {**out, "ok": not out["problems"]}
 
@@ -182,10 +177,9 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
              relative_loss_diff=(dl - cl) / cl if finite(dl) is not None and (finite(cl) or 0) > 0 else None,
              base_gain=(bl - dl) / bl if finite(dl) is not None and (finite(bl) or 0) > 0 else None)
 
-    def fail(verdict, category, reason, code=1, anchor=None):
+    def fail(verdict, cat, reason, code=1, anchor=None):
         v["reasons"].append(reason)
-        v.update(verdict=verdict, ok=False, category=category, anchor=anchor or anchor_of(category),
-                 exit_code=code)
+        v.update(verdict=verdict, ok=False, category=cat, anchor=anchor or anchor_of(cat), exit_code=code)
         return v
 
     if not dual.get("ok"):
@@ -205,14 +199,12 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
                     "made the model worse; check learning_rate, iters, the data and mask_prompt")
     if not control.get("ok"):
         problems = problems + [f"the control run failed ({control.get('category') or 'no category'}: "
-                               f"{control.get('why') or 'no reason recorded'}): fix it and re-run "
-                               "`make control`"]
+                               f"{control.get('why') or 'no reason'}): fix it and re-run `make control`"]
     missing = [f"the {k} adapter's test loss is {losses.get(k)}" for k in ("dual", "control")
                if finite(losses.get(k)) is None]
     slow = [r["run"] for r in (dual, control) if not r.get("tok_per_s")]
     if not problems and missing:
-        problems = [f"{' and '.join(missing)}: no adapters/adapters.safetensors or bad weights; "
-                    "re-run its stage"]
+        problems = [f"{' and '.join(missing)}: no adapters.safetensors or bad weights; re-run its stage"]
     elif not problems and slow:
         problems = [f"no throughput in metrics.jsonl of {' and '.join(slow)}: re-run that stage"]
     if problems:
@@ -251,9 +243,8 @@ def link_call(cal: dict | None) -> tuple[bool | None, str]:
     if share >= LINK_BOUND_SHARE:
         return True, (f"link-bound: calibrate ({f}) measured the gradient all-reduce at {100 * share:.0f}% "
                       f"of a dual step and predicted {e:.2f}x: the Thunder path is the bottleneck")
-    return False, (f"not the link: calibrate ({f}) predicted {e:.2f}x with the all-reduce {100 * share:.0f}% "
-                   "of a dual step, so a Mac computed slower than calibrated (or the link changed since): "
-                   "`make calibrate` again")
+    return False, (f"not the link: calibrate ({f}) predicted {e:.2f}x, all-reduce {100 * share:.0f}% of a "
+                   "dual step: a Mac computed slower than calibrated (or the link changed): `make calibrate`")
 
 
 def calibration_of(dual: dict) -> dict | None:
@@ -275,8 +266,7 @@ def exactness(dual: dict, control: dict) -> dict | None:
     d, c = (dict(curve(r.get("metrics") or [], "step")) for r in (dual, control))
     common = sorted(set(d) & set(c))
     if 1 not in common:
-        return {"ok": False, "why": "no step-1 loss in both runs' metrics.jsonl to prove dual = control: "
-                "re-run them"}
+        return {"ok": False, "why": "no step-1 loss in both runs' metrics.jsonl to compare: re-run them"}
     rel = {k: abs(d[k] - c[k]) / max(abs(c[k]), 1e-12) for k in common}
     ok = rel[1] <= EXACT_REL
     why = (f"step-1 loss dual {d[1]:.9g} vs control {c[1]:.9g}: relative {rel[1]:.2e} "
@@ -293,7 +283,6 @@ def evaluate_models(model: str, adapters: dict[str, str | None], data_dir: Path,
     from functools import partial
     from types import SimpleNamespace
 
-    import mlx.core as mx
     import numpy as np
     from mlx_lm.tuner.datasets import CacheDataset, create_dataset
     from mlx_lm.tuner.trainer import default_loss, evaluate, iterate_batches
@@ -306,13 +295,11 @@ def evaluate_models(model: str, adapters: dict[str, str | None], data_dir: Path,
     max_seq, seed = int(cfg["max_seq_length"]), int(cfg["seed"])
     out = {"records": len(records), "batch_size": min(int(cfg["batch_size"]), len(records)),
            "max_seq_length": max_seq, "seed": seed, "test_batches": test_batches, "models": {}}
-    test_set, tic = None, time.monotonic()
+    test_set = None
     for name, adapter in [("base", None), *((k, a) for k, a in adapters.items() if a)]:
         mdl, tokenizer = load(str(local) if local.exists() else model,
                               adapter_path=str(paths.ROOT / adapter) if adapter else None)
-        if test_set is None:
-            test_set = CacheDataset(create_dataset(records, tokenizer, SimpleNamespace(**cfg)))
-            out["load_s"] = round(time.monotonic() - tic, 3)
+        test_set = test_set or CacheDataset(create_dataset(records, tokenizer, SimpleNamespace(**cfg)))
         h, ntoks, tic = hashlib.sha256(), [], time.monotonic()
 
         def loss(m, batch, lengths, h=h, ntoks=ntoks):
@@ -332,8 +319,7 @@ def evaluate_models(model: str, adapters: dict[str, str | None], data_dir: Path,
         raise RunbookError("the models did not see the same test batches: a bug in compare; report it",
                            ANCHOR_NOT_COMPARABLE)
     base = out["models"]["base"]
-    return {**out, "batches": base["batches"], "tokens": base["tokens"], "same_batches": True,
-            "peak_mem_gb": round(mx.get_peak_memory() / 1e9, 3)}
+    return {**out, "batches": base["batches"], "tokens": base["tokens"], "same_batches": True}
 
 
 def plot_curves(path: Path, dual: dict, control: dict, losses: dict, verdict: str) -> None:
