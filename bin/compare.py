@@ -6,14 +6,11 @@ Usage:
 Example (what `make compare RUN=stage1` runs):
     .venv/bin/python bin/compare.py --run stage1
 
-Reads runs/<RUN>/ and its control (the manifest's control_run, else runs/<RUN>-control/), which must
-share dataset bytes, model, seed, global batch and config. The base model and both adapters are evaluated
-on the test split with mlx-lm's evaluate() over the same (fingerprinted) batches. Writes runs/<RUN>/compare/
-atomically: report.md, report.json, loss_curves.png. The verdict is decide()'s. Exit 0 pass, 1 a failure
-verdict, 2 not comparable or an input missing; stderr ends `see RUNBOOK.md#anchor`.
+The control is the manifest's control_run, else runs/<RUN>-control/. The base model and both adapters
+are scored with mlx-lm's evaluate() on the same (fingerprinted) test batches. Writes runs/<RUN>/compare/:
+report.md, report.json, loss_curves.png. Exit 0 pass, 1 a failure verdict, 2 not comparable or an input
+missing; stderr ends `see RUNBOOK.md#anchor`.
 """
-
-from __future__ import annotations
 
 import argparse
 import hashlib
@@ -26,53 +23,35 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, jsonl, launch, paths  # noqa: E402
-from lib.config import DEFAULTS as CONFIG_DEFAULTS  # noqa: E402
-from lib.config import RESUMABLE  # noqa: E402
+from lib import atomic, config, jsonl, launch, paths  # noqa: E402
 from lib.hashing import digest_of, tree_hashes  # noqa: E402
-from lib.log import FAILURES, OTHER_FAILURES, STABILITY, RunbookError, anchor_of, die, event  # noqa: E402
-from lib.log import THUNDER as THUNDER_CATEGORY  # noqa: E402
+from lib.log import FAILURES, STABILITY, RunbookError, anchor_of, die, event  # noqa: E402
 
 FORMAT, FORMAT_VERSION = "thunder-runbook/compare-report", 1
 DEFAULT_TOLERANCE, DEFAULT_MIN_SPEEDUP, DEFAULT_MIN_GAIN = 0.02, 1.0, 0.0
 PASS, NOT_COMPARABLE, DUAL_FAILED = "pass", "not comparable", "dual run failed"
-THUNDER = "underperforms control: Thunder path"
-WORSE = OTHER_FAILURES["worse"][0]  # anchor compare-worse-than-base
+THUNDER, THUNDER_CATEGORY = "underperforms control: Thunder path", FAILURES["thunder"][0]
+WORSE = FAILURES["worse"][0]  # anchor compare-worse-than-base
 EXACT_REL = 1e-5  # dual vs control step-1 loss with token-weighted gradients: float summation order only
 LINK_BOUND_SHARE = 0.5  # calibrated: the gradient all-reduce takes at least half of a dual step
-ANCHOR_NOT_COMPARABLE = "compare-not-comparable"
-ANCHOR_MISSING = "compare-missing-run"
+ANCHOR_NOT_COMPARABLE, ANCHOR_MISSING = "compare-not-comparable", "compare-missing-run"
 SPLITS = ("train.jsonl", "valid.jsonl", "test.jsonl")
 # Keys the out-of-memory ladder (lib/config.py fallback_ladder) may change keeping the global batch.
 LADDER_KEYS = {"batch_size", "grad_accumulation_steps", "steps_per_eval", "save_every", "steps_per_report",
                "iters"}
-FEATURES = ("mask_prompt", "chat_feature", "prompt_feature", "completion_feature", "text_feature")
 UNKNOWN = (None, "missing", "unknown")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="the dual run id: runs/<RUN>/")
-    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                   help="relative test-loss tolerance of dual over control (default 0.02 = 2%%)")
-    p.add_argument("--min-speedup", type=float, default=DEFAULT_MIN_SPEEDUP,
-                   help="dual must be faster than this x the control (default 1; 0: ranks share a machine)")
-    p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN,
-                   help="dual test loss must be below the base model's by this fraction of it (default 0)")
-    p.add_argument("--test-batches", type=int, default=-1, help="test batches to score (-1: the whole split)")
+    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="over the control's test loss")
+    p.add_argument("--min-speedup", type=float, default=DEFAULT_MIN_SPEEDUP, help="0: the ranks share a Mac")
+    p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN, help="under the base model's loss")
+    p.add_argument("--test-batches", type=int, default=-1, help="-1: the whole test split")
     return p
 
 
-def check_args(args) -> None:
-    if not (0 <= args.tolerance < 1 and 0 <= args.min_gain < 1 and args.min_speedup >= 0):
-        raise RunbookError(f"--tolerance {args.tolerance:g} and --min-gain {args.min_gain:g} are fractions "
-                           f"of a test loss in [0, 1) (0.02: 2%); --min-speedup {args.min_speedup:g} is >= 0",
-                           "compare")
-    if args.test_batches == 0 or args.test_batches < -1:
-        raise RunbookError(f"--test-batches {args.test_batches}: use -1 (all) or a number >= 1", "compare")
-
-
-# ---- reading a run folder ----------------------------------------------------------------------
 def finite(x) -> float | None:
     """A JSON-safe number: None for missing, NaN and inf."""
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
@@ -82,23 +61,24 @@ def ppl_of(loss: float | None) -> float | None:
     return math.exp(loss) if finite(loss) is not None and loss < 700 else None
 
 
-def throughput(mets: list[dict]) -> dict:
-    """Steady-state tok/s: global tokens over step time of the `step` events, leaving out the first step
-    of each launch (its compile; a launch starts where wall_s goes back)."""
+def fmt(x, spec: str = ".4f") -> str:
+    return "–" if x is None else format(x, spec) if spec and isinstance(x, (int, float)) else str(x)
+
+
+def throughput(mets: list[dict]) -> float | None:
+    """Steady-state tok/s: global tokens over step time of the `step` events, each launch's first step
+    left out (its compile; a launch starts where wall_s goes back)."""
     tokens = seconds = 0.0
-    launches, last_wall, n = 0, None, 0
+    last_wall = None
     for m in mets:
         if m.get("kind") != "step" or not (finite(m.get("tokens")) and finite(m.get("step_s"))):
             continue
         wall = finite(m.get("wall_s"))
         if last_wall is None or (wall is not None and wall < last_wall):
-            launches, last_wall = launches + 1, wall
-            continue
-        last_wall, tokens, seconds, n = wall or last_wall, tokens + m["tokens"], seconds + m["step_s"], n + 1
-    if not (n and seconds > 0):
-        return {"tok_per_s": None, "method": "no step events with tokens and step_s in metrics.jsonl"}
-    return {"tok_per_s": tokens / seconds, "method": f"step events: {int(tokens)} tokens / {seconds:.3f} s "
-            f"over {n} steps (first step of {launches} launch(es) left out: compile)"}
+            last_wall = wall
+        else:
+            last_wall, tokens, seconds = wall or last_wall, tokens + m["tokens"], seconds + m["step_s"]
+    return tokens / seconds if seconds > 0 else None
 
 
 def curve(mets: list[dict], kind: str) -> list[tuple[int, float]]:
@@ -107,15 +87,14 @@ def curve(mets: list[dict], kind: str) -> list[tuple[int, float]]:
                    and isinstance(m.get("step"), int) and finite(m.get("loss")) is not None}.items())
 
 
-def run_facts(role: str, run_id: str, summary_name: str) -> dict:
+def run_facts(role: str, run_id: str) -> dict:
     """Everything compare needs from one run folder (raises RunbookError naming the fix)."""
-    run_dir = paths.RUNS / paths.check_run_id(run_id)
-    fix = f"run `make {'train' if role == 'dual' else 'control'} RUN={run_id.removesuffix('-control')}` first"
-    man, summary = (launch.read_json(run_dir / f) for f in ("manifest.json", summary_name))
+    run_dir, stage = paths.RUNS / paths.check_run_id(run_id), "train" if role == "dual" else "control"
+    man, summary = (launch.read_json(run_dir / f) for f in ("manifest.json", f"{stage}.json"))
     if not (man and summary):
-        bad = run_dir / ("manifest.json" if not man else summary_name)
-        what = "is not a JSON object" if bad.is_file() else "not found"
-        raise RunbookError(f"{paths.rel(bad)} {what}: {fix}", ANCHOR_MISSING)
+        bad = run_dir / ("manifest.json" if not man else f"{stage}.json")
+        raise RunbookError(f"{paths.rel(bad)} {'is not a JSON object' if bad.is_file() else 'not found'}: "
+                           f"run `make {stage} RUN={run_id.removesuffix('-control')}` first", ANCHOR_MISSING)
     cfg = launch.read_json(run_dir / "adapters" / "adapter_config.json")  # the resolved config, written first
     try:
         mets = [m for m in launch.metrics(run_dir) if isinstance(m, dict)]
@@ -125,50 +104,43 @@ def run_facts(role: str, run_id: str, summary_name: str) -> dict:
     has_adapter = all((adapter / f).is_file() for f in ("adapters.safetensors", "adapter_config.json"))
     hostfile = man.get("hostfile") if isinstance(man.get("hostfile"), dict) else {}
     hosts = [h.get("ssh") for h in hostfile.get("hosts", [])]
-    world, tp = summary.get("world_size") or man.get("world_size") or len(hosts), throughput(mets)
-    accum = cfg.get("grad_accumulation_steps") or 1
+    world = summary.get("world_size") or man.get("world_size") or len(hosts)
     repro = run_dir / "reproduce.sh"  # its sections by stage (lib/launch.write_reproduce)
     sections = repro.read_text(encoding="utf-8").split("\n# --- stage: ")[1:] if repro.is_file() else []
     return {
-        "role": role, "run": run_id, "ok": bool(summary.get("ok")), "category": summary.get("category"),
-        "why": summary.get("why") or "", "world_size": int(world) if world else None, "hosts": hosts,
-        "fallback": summary.get("fallback"), "attempts": len(summary.get("attempts") or []),
-        "hostfile_path": man.get("hostfile_path"), "hostfile": hostfile, "git": man.get("git") or {},
-        **{k: man.get(k) for k in ("lock_sha256", "dataset", "dataset_sha256", "model", "model_sha256",
-                                   "control_run")},
-        "config": cfg, "seed": cfg.get("seed"), "batch_size": cfg.get("batch_size"),
-        "global_batch": cfg.get("batch_size") and cfg["batch_size"] * accum,
-        "adapter": paths.rel(adapter) if has_adapter else None, "best_adapter": summary.get("best_adapter"),
-        "final_step": summary.get("final_step"), "stage_wall_s": finite(summary.get("wall_s")),
-        "metrics": mets, "tok_per_s": finite(tp["tok_per_s"]), "tok_per_s_method": tp["method"],
+        "role": role, "run": run_id, "ok": bool(summary.get("ok")), "why": summary.get("why") or "",
+        **{k: summary.get(k) for k in ("category", "fallback", "best_adapter", "final_step")},
+        **{k: man.get(k) for k in ("hostfile_path", "lock_sha256", "dataset", "dataset_sha256", "model",
+                                   "model_sha256", "control_run")},
+        "world_size": int(world) if world else None, "hosts": hosts, "hostfile": hostfile,
+        "attempts": len(summary.get("attempts") or []), "git": man.get("git") or {},
+        "config": cfg, "seed": cfg.get("seed"), "batch_size": (bs := cfg.get("batch_size")),
+        "global_batch": bs and bs * (cfg.get("grad_accumulation_steps") or 1),
+        "adapter": paths.rel(adapter) if has_adapter else None, "stage_wall_s": finite(summary.get("wall_s")),
+        "metrics": mets, "tok_per_s": finite(throughput(mets)),
         "checkpoints_written": sum(m.get("kind") == "checkpoint" for m in mets),
         "reproduce": {b.split(" ", 1)[0]: "# --- stage: " + b.strip() for b in sections},
     }
 
 
-# ---- comparability ------------------------------------------------------------------------------
 def comparability(dual: dict, control: dict, disk_dataset: str | None, disk_model: str | None) -> dict:
-    """What must be equal for the comparison to mean anything, each check with both values.
-    problems: why it is not comparable, each naming its fix; warnings: worth a look."""
+    """What must be equal, each check with both values; problems (not comparable) name their fix."""
     run, dcfg, ccfg = dual["run"], dual["config"], control["config"]
     ds, dsha, msha = dual["dataset"], dual["dataset_sha256"], str(dual["model_sha256"])
-    keys = (set(CONFIG_DEFAULTS) - RESUMABLE - LADDER_KEYS - {"seed"}) & (set(dcfg) | set(ccfg))
+    keys = (set(config.DEFAULTS) - config.RESUMABLE - LADDER_KEYS - {"seed"}) & (set(dcfg) | set(ccfg))
     differ = sorted(k for k in keys if dcfg.get(k) != ccfg.get(k))
-    named = (("dataset_sha256", "DATASET", "dataset"), ("model_sha256", "MODEL", "model"),
-             ("seed", "SEED", "seed"))
-    checks = [(k, dual[k], control[k], f"re-run the control with the dual run's {k.split('_')[0]}: "
-               f"`make control RUN={run} {var}={dual[src]}`") for k, var, src in named]
+    checks = [(k, dual[k], control[k], f"re-run the control with the dual run's {w}: "
+               f"`make control RUN={run} {w.upper()}={dual[w]}`")
+              for k, w in (("dataset_sha256", "dataset"), ("model_sha256", "model"), ("seed", "seed"))]
     checks += [("global_batch", dual["global_batch"], control["global_batch"], "batch_size is the global "
                 f"batch: train both with the same CONFIG (the dual run's batch_size {dual['batch_size']})"),
-               ("config", {k: dcfg.get(k) for k in differ}, {k: ccfg.get(k) for k in differ}, None)]
+               ("config", {k: dcfg.get(k) for k in differ}, {k: ccfg.get(k) for k in differ}, "train the "
+                f"control with the dual run's config (`make control RUN={run} CONFIG=<its CONFIG>`)")]
     out = {"checks": [], "problems": [], "warnings": []}
     for name, a, b, fix in checks:
-        ok = a == b and (fix is None or a not in UNKNOWN)
+        ok = a == b and (name == "config" or a not in UNKNOWN)
         out["checks"].append({"name": name, "dual": a, "control": b, "ok": ok})
-        if not ok:
-            out["problems"].append(f"{name} differs: dual {a!r}, control {b!r}: {fix}" if fix else
-                                   f"the runs' configs differ in {', '.join(differ)}: train the control with "
-                                   f"the dual run's config (`make control RUN={run} CONFIG=<its CONFIG>`)")
+        out["problems"] += [] if ok else [f"{name} differs: dual {a!r}, control {b!r}: {fix}"]
     if disk_dataset is None:
         out["problems"].append(f"datasets/{ds}/ has no {', '.join(SPLITS)} to evaluate on: "
                                f"`make export DATASET={ds}` or `make sync` it back")
@@ -184,24 +156,17 @@ def comparability(dual: dict, control: dict, disk_dataset: str | None, disk_mode
         fb = r.get("fallback") or {}
         out["warnings"] += [text for cond, text in (
             (r["git"].get("dirty"), f"{r['run']} ran from a dirty tree: its reproduction is not exact"),
-            (fb, f"{r['run']} lost {fb.get('lost')} and finished on {fb.get('hosts')} (FALLBACK=1): "
-             "not the dual-host result"),
+            (fb, f"{r['run']} lost {fb.get('lost')}, ran on {fb.get('hosts')} (FALLBACK=1): not dual-host"),
             (r.get("attempts"), f"{r['run']} restarted {r.get('attempts')} time(s) (RESTARTS)")) if cond]
-    out["ok"] = not out["problems"]
-    return out
+    return {**out, "ok": not out["problems"]}
 
 
-# ---- the verdict --------------------------------------------------------------------------------
 def decide(dual: dict, control: dict, losses: dict, problems: list[str], tolerance: float,
            min_speedup: float = DEFAULT_MIN_SPEEDUP, min_gain: float = DEFAULT_MIN_GAIN,
            calibration: dict | None = None) -> dict:
-    """The verdict from facts: dual/control carry ok, category, why, tok_per_s, world_size, run; losses
-    the test loss of "base", "control", "dual" (None: not evaluated; no "base" key: no base check).
-    The first that applies: the dual run's own failure (a NaN adapter: stability); `worse than the base
-    model` (dual loss not below base x (1 - min_gain), whatever the control); `not comparable`;
-    `underperforms control: Thunder path` (step-1 loss off the control's beyond float error under
-    token-weighted gradients, loss above (1 + tolerance) x control's, speedup not above min_speedup;
-    a slow run is called link-bound or not from `calibration`, see link_call)."""
+    """The verdict from the run facts and test losses ("base", "control", "dual"; None: not evaluated), the
+    first that applies: the dual run's own failure, worse than the base model (by min_gain), not comparable,
+    the Thunder path (exactness, loss over (1 + tolerance) x the control's, speedup not over min_speedup)."""
     dt, ct = dual.get("tok_per_s"), control.get("tok_per_s")
     dl, cl, bl = (losses.get(k) for k in ("dual", "control", "base"))
     speedup = dt / ct if dt and ct else None
@@ -212,10 +177,9 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
              relative_loss_diff=(dl - cl) / cl if finite(dl) is not None and (finite(cl) or 0) > 0 else None,
              base_gain=(bl - dl) / bl if finite(dl) is not None and (finite(bl) or 0) > 0 else None)
 
-    def fail(verdict, category, reason, code=1, anchor=None):
-        v.update(verdict=verdict, ok=False, category=category, anchor=anchor or anchor_of(category),
-                 exit_code=code)
+    def fail(verdict, cat, reason, code=1, anchor=None):
         v["reasons"].append(reason)
+        v.update(verdict=verdict, ok=False, category=cat, anchor=anchor or anchor_of(cat), exit_code=code)
         return v
 
     if not dual.get("ok"):
@@ -235,14 +199,12 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
                     "made the model worse; check learning_rate, iters, the data and mask_prompt")
     if not control.get("ok"):
         problems = problems + [f"the control run failed ({control.get('category') or 'no category'}: "
-                               f"{control.get('why') or 'no reason recorded'}): fix it and re-run "
-                               "`make control`"]
+                               f"{control.get('why') or 'no reason'}): fix it and re-run `make control`"]
     missing = [f"the {k} adapter's test loss is {losses.get(k)}" for k in ("dual", "control")
                if finite(losses.get(k)) is None]
     slow = [r["run"] for r in (dual, control) if not r.get("tok_per_s")]
     if not problems and missing:
-        problems = [f"{' and '.join(missing)}: no adapters/adapters.safetensors or bad weights; "
-                    "re-run its stage"]
+        problems = [f"{' and '.join(missing)}: no adapters.safetensors or bad weights; re-run its stage"]
     elif not problems and slow:
         problems = [f"no throughput in metrics.jsonl of {' and '.join(slow)}: re-run that stage"]
     if problems:
@@ -272,9 +234,8 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
 
 
 def link_call(cal: dict | None) -> tuple[bool | None, str]:
-    """Is a slow dual run the link's doing? From the newest calibration of these hosts and model
-    (`make calibrate`): link-bound when the gradient all-reduce took LINK_BOUND_SHARE or more of a
-    calibrated dual step; otherwise a host computed slower than it was calibrated at."""
+    """Link-bound when the calibration of these hosts and model measured the gradient all-reduce at
+    LINK_BOUND_SHARE or more of a dual step; otherwise a Mac computed slower than calibrated."""
     if not cal:
         return None, ("no calibration of these hosts and model tells a slow link from a slow Mac: "
                       "run `make calibrate`")
@@ -282,9 +243,8 @@ def link_call(cal: dict | None) -> tuple[bool | None, str]:
     if share >= LINK_BOUND_SHARE:
         return True, (f"link-bound: calibrate ({f}) measured the gradient all-reduce at {100 * share:.0f}% "
                       f"of a dual step and predicted {e:.2f}x: the Thunder path is the bottleneck")
-    return False, (f"not the link: calibrate ({f}) predicted {e:.2f}x with the all-reduce {100 * share:.0f}% "
-                   "of a dual step, so a Mac computed slower than calibrated (or the link changed since): "
-                   "`make calibrate` again")
+    return False, (f"not the link: calibrate ({f}) predicted {e:.2f}x, all-reduce {100 * share:.0f}% of a "
+                   "dual step: a Mac computed slower than calibrated (or the link changed): `make calibrate`")
 
 
 def calibration_of(dual: dict) -> dict | None:
@@ -299,18 +259,14 @@ def calibration_of(dual: dict) -> dict | None:
 
 
 def exactness(dual: dict, control: dict) -> dict | None:
-    """With token-weighted gradients (grad_average: tokens) on both, the dual run computes what the
-    control computes up to float summation order. Step 1 starts from the same weights on the same
-    global batch, so its losses may differ only by float error (EXACT_REL): a larger gap is a
-    correctness failure of the Thunder path, not a slow one. Later steps are reported, not judged:
-    float error compounds through the optimizer. None when either run averages as mlx-lm does."""
+    """With token-weighted gradients on both runs (else None), step 1 may differ from the control only by
+    float summation order (EXACT_REL); later steps are reported, not judged (the optimizer compounds it)."""
     if not all((r.get("config") or {}).get("grad_average") == "tokens" for r in (dual, control)):
         return None
     d, c = (dict(curve(r.get("metrics") or [], "step")) for r in (dual, control))
     common = sorted(set(d) & set(c))
     if 1 not in common:
-        return {"ok": False, "why": "no step-1 loss in both runs' metrics.jsonl to prove dual = control: "
-                "re-run them"}
+        return {"ok": False, "why": "no step-1 loss in both runs' metrics.jsonl to compare: re-run them"}
     rel = {k: abs(d[k] - c[k]) / max(abs(c[k]), 1e-12) for k in common}
     ok = rel[1] <= EXACT_REL
     why = (f"step-1 loss dual {d[1]:.9g} vs control {c[1]:.9g}: relative {rel[1]:.2e} "
@@ -320,22 +276,13 @@ def exactness(dual: dict, control: dict) -> dict | None:
     return {"ok": ok, "why": why, "step1_rel": rel[1], "max_rel": max(rel.values()), "steps": len(common)}
 
 
-# ---- evaluation (mlx-lm's pieces) and the curves ----------------------------------------------------
-def model_path(model: str) -> str:
-    """A local model folder (relative paths are the repo's), or a Hugging Face id as is."""
-    full = Path(model) if Path(model).is_absolute() else paths.ROOT / model
-    return str(full) if full.exists() else model
-
-
 def evaluate_models(model: str, adapters: dict[str, str | None], data_dir: Path, cfg: dict,
                     test_batches: int) -> dict:
-    """Test loss of the base model and each adapter (mlx_lm.utils.load with adapter_path: a fresh model
-    each) over one tokenized test set, with the run's batch size, prompt masking and seeded batch order;
-    a fingerprint of every batch (tokens, lengths) proves that all of them saw the same batches."""
+    """Test loss of the base model and each adapter (each loaded fresh) over one tokenized test set, with
+    the run's batch size, masking and seeded batch order; batch fingerprints prove all saw the same."""
     from functools import partial
     from types import SimpleNamespace
 
-    import mlx.core as mx
     import numpy as np
     from mlx_lm.tuner.datasets import CacheDataset, create_dataset
     from mlx_lm.tuner.trainer import default_loss, evaluate, iterate_batches
@@ -344,16 +291,15 @@ def evaluate_models(model: str, adapters: dict[str, str | None], data_dir: Path,
     if not (records := list(jsonl.read(data_dir / "test.jsonl"))):
         raise RunbookError(f"{paths.rel(data_dir)}/test.jsonl is empty: re-export with a test split",
                            ANCHOR_NOT_COMPARABLE)
-    max_seq, seed = int(cfg.get("max_seq_length") or CONFIG_DEFAULTS["max_seq_length"]), int(cfg["seed"])
+    cfg, local = {**config.DEFAULTS, **cfg}, paths.ROOT / model  # a local folder, or a Hugging Face id
+    max_seq, seed = int(cfg["max_seq_length"]), int(cfg["seed"])
     out = {"records": len(records), "batch_size": min(int(cfg["batch_size"]), len(records)),
            "max_seq_length": max_seq, "seed": seed, "test_batches": test_batches, "models": {}}
-    test_set, tic = None, time.monotonic()
+    test_set = None
     for name, adapter in [("base", None), *((k, a) for k, a in adapters.items() if a)]:
-        mdl, tokenizer = load(model_path(model), adapter_path=str(paths.ROOT / adapter) if adapter else None)
-        if test_set is None:
-            feats = SimpleNamespace(**{k: cfg.get(k, CONFIG_DEFAULTS[k]) for k in FEATURES})
-            test_set = CacheDataset(create_dataset(records, tokenizer, feats))
-            out["load_s"] = round(time.monotonic() - tic, 3)
+        mdl, tokenizer = load(str(local) if local.exists() else model,
+                              adapter_path=str(paths.ROOT / adapter) if adapter else None)
+        test_set = test_set or CacheDataset(create_dataset(records, tokenizer, SimpleNamespace(**cfg)))
         h, ntoks, tic = hashlib.sha256(), [], time.monotonic()
 
         def loss(m, batch, lengths, h=h, ntoks=ntoks):
@@ -368,18 +314,16 @@ def evaluate_models(model: str, adapters: dict[str, str | None], data_dir: Path,
                                      "tokens": int(sum(n.item() for n in ntoks)),
                                      "wall_s": round(time.monotonic() - tic, 3)}
         event("compare-eval", model=name, test_loss=value, ppl=ppl_of(value) or math.nan,
-              batches=row["batches"], tokens=row["tokens"], wall_s=row["wall_s"])
+              **{k: row[k] for k in ("batches", "tokens", "wall_s")})
     if len({m["batches_sha256"] for m in out["models"].values()}) != 1:
-        raise RunbookError("the three models did not see the same test batches: a bug in compare; report it",
+        raise RunbookError("the models did not see the same test batches: a bug in compare; report it",
                            ANCHOR_NOT_COMPARABLE)
     base = out["models"]["base"]
-    return {**out, "batches": base["batches"], "tokens": base["tokens"], "same_batches": True,
-            "peak_mem_gb": round(mx.get_peak_memory() / 1e9, 3)}
+    return {**out, "batches": base["batches"], "tokens": base["tokens"], "same_batches": True}
 
 
 def plot_curves(path: Path, dual: dict, control: dict, losses: dict, verdict: str) -> None:
-    """Train (solid) and validation (dashed) loss of both runs, each adapter's test loss a star, the base
-    model's a dotted line. The control is drawn wide and pale under the dual run."""
+    """Train and validation loss of both runs, each adapter's test loss a star, the base model's a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -406,20 +350,11 @@ def plot_curves(path: Path, dual: dict, control: dict, losses: dict, verdict: st
     plt.close(fig)
 
 
-# ---- the report -----------------------------------------------------------------------------------
-def compare_make_cmd(args) -> list[str]:
-    flags = (("TOLERANCE", args.tolerance, DEFAULT_TOLERANCE),
-             ("MIN_SPEEDUP", args.min_speedup, DEFAULT_MIN_SPEEDUP),
-             ("MIN_GAIN", args.min_gain, DEFAULT_MIN_GAIN), ("TEST_BATCHES", args.test_batches, -1))
-    return ["make", "compare", f"RUN={args.run}"] + [f"{k}={x:g}" for k, x, default in flags if x != default]
-
-
-def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v: dict) -> dict:
+def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v: dict, cmd: list) -> dict:
     """report.json: the verdict, base / control / dual losses, speed, comparability and both runs' facts."""
     models = (ev or {}).get("models", {})
     rows = {name: {**models.get(name, {}), "evaluated": name in models, "adapter": r and r["adapter"],
-                   "loss": finite(models.get(name, {}).get("loss")),
-                   "ppl": ppl_of(models.get(name, {}).get("loss"))}
+                   "loss": finite(loss := models.get(name, {}).get("loss")), "ppl": ppl_of(loss)}
             for name, r in (("base", None), ("control", control), ("dual", dual))}
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -439,17 +374,13 @@ def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v
                               "split": f"datasets/{dual['dataset']}/test.jsonl"},
         "runs": {r["role"]: {k: x for k, x in r.items() if k not in ("metrics", "config")}
                  for r in (dual, control)},
-        "reproduce_compare": shlex.join(compare_make_cmd(args)),
+        "reproduce_compare": shlex.join(cmd),
     }
-
-
-def fmt(x, spec: str = ".4f") -> str:
-    return "–" if x is None else format(x, spec) if spec and isinstance(x, (int, float)) else str(x)
 
 
 def render_md(rep: dict) -> str:
     """The promotion report: verdict, how to reproduce it (data first), base / control / dual, the runs."""
-    runs, tp, ev, base = rep["runs"], rep["throughput"], rep["evaluation"], rep["loss"]["base"]
+    runs, tp, ev, lo = rep["runs"], rep["throughput"], rep["evaluation"], rep["loss"]
     cat = f"category: {rep['category']}; " if rep["category"] else ""
     see = f" ({cat}see RUNBOOK.md#{rep['anchor']})" if rep["anchor"] else ""
     stages = dict.fromkeys(text for r in runs.values() for st, text in r["reproduce"].items()
@@ -464,10 +395,10 @@ def render_md(rep: dict) -> str:
          if ev else "Not evaluated (see the verdict).", "",
          "| model | test loss | test ppl | vs base | train tok/s | adapter |", "|---|---|---|---|---|---|"]
     for name in ("base", "control", "dual"):
-        m = (ev or {}).get("models", {}).get(name, {})
-        gain = 100 * (m["loss"] - base) / base if m.get("loss") is not None and base else None
-        L.append(f"| {name} | {fmt(m.get('loss'))} | {fmt(m.get('ppl'), '.2f')} | {fmt(gain, '+.2f')}% | "
-                 f"{fmt(runs.get(name, {}).get('tok_per_s'), '.1f')} | {fmt(m.get('adapter'), '')} |")
+        loss, r = lo[name], runs.get(name, {})
+        gain = 100 * (loss - lo["base"]) / lo["base"] if loss is not None and lo["base"] else None
+        L.append(f"| {name} | {fmt(loss)} | {fmt(ppl_of(loss), '.2f')} | {fmt(gain, '+.2f')}% | "
+                 f"{fmt(r.get('tok_per_s'), '.1f')} | {fmt(r.get('adapter'), '')} |")
     L += ["", f"Speedup (steady-state tok/s): **{fmt(tp['speedup'], '.2f')}x** (required > "
           f"{rep['min_speedup']:g}x); scaling efficiency (speedup / {tp['world_size_ratio']:g}): "
           f"**{fmt(tp['scaling_efficiency'], '.2f')}**.", "", "## Runs", "",
@@ -481,47 +412,45 @@ def render_md(rep: dict) -> str:
     return "\n".join(L + ["", "![train and validation loss of both runs](loss_curves.png)", ""])
 
 
-# ---- main ------------------------------------------------------------------------------------------------
 def main() -> int:
-    args, t0 = build_parser().parse_args(), time.monotonic()
+    parser = build_parser()
+    args, t0 = parser.parse_args(), time.monotonic()
+    cmd = ["make", "compare", f"RUN={args.run}"] + [f"{k.upper()}={x:g}" for k, x in vars(args).items()
+                                                    if k != "run" and x != parser.get_default(k)]
     try:
-        check_args(args)
-        dual = run_facts("dual", args.run, "train.json")
-        control = run_facts("control", dual["control_run"] or f"{args.run}-control", "control.json")
+        if not (0 <= args.tolerance < 1 and 0 <= args.min_gain < 1 and args.min_speedup >= 0
+                and (args.test_batches == -1 or args.test_batches >= 1)):
+            raise RunbookError(f"--tolerance {args.tolerance:g} and --min-gain {args.min_gain:g} are "
+                               f"fractions in [0, 1) (0.02: 2%), --min-speedup {args.min_speedup:g} is >= 0, "
+                               f"--test-batches {args.test_batches} is -1 (all) or >= 1", "compare")
+        dual = run_facts("dual", args.run)
+        control = run_facts("control", dual["control_run"] or f"{args.run}-control")
+        # What is on disk now must be what the runs trained on (export's rule for dataset_sha256).
+        data = paths.DATASETS / str(dual["dataset"])
+        on_disk = digest_of(tree_hashes(data, SPLITS)) if all((data / s).is_file() for s in SPLITS) else None
+        comp = comparability(dual, control, on_disk, dual["model"] and launch.model_hash(dual["model"]))
+        for ch in comp["checks"]:
+            event("compare-check", key=ch["name"], status="same" if ch["ok"] else "DIFFERS",
+                  dual=json.dumps(ch["dual"]), control=json.dumps(ch["control"]))
+        ev = evaluate_models(dual["model"], {"control": control["adapter"], "dual": dual["adapter"]}, data,
+                             dual["config"], args.test_batches) if comp["ok"] else None
     except (RunbookError, ValueError) as e:
         return die(e, 2)
-    # What is on disk now must be what the runs trained on (export's rule for dataset_sha256).
-    data = paths.DATASETS / str(dual["dataset"])
-    disk_dataset = digest_of(tree_hashes(data, SPLITS)) if all((data / s).is_file() for s in SPLITS) else None
-    disk_model = launch.model_hash(dual["model"]) if Path(model_path(dual["model"] or "")).is_dir() else None
-    comp = comparability(dual, control, disk_dataset, disk_model)
-    for ch in comp["checks"]:
-        event("compare-check", key=ch["name"], status="same" if ch["ok"] else "DIFFERS",
-              dual=json.dumps(ch["dual"]), control=json.dumps(ch["control"]))
-    ev = None
-    if comp["ok"]:
-        try:
-            ev = evaluate_models(dual["model"], {"control": control["adapter"], "dual": dual["adapter"]},
-                                 paths.DATASETS / dual["dataset"], dual["config"], args.test_batches)
-        except RunbookError as e:
-            return die(e, 2)
     losses = {k: m["loss"] for k, m in (ev or {}).get("models", {}).items()}
     v = decide(dual, control, losses, comp["problems"], args.tolerance, args.min_speedup, args.min_gain,
                calibration_of(dual))
-    rep = {**build_report(args, dual, control, comp, ev, v), "wall_s": round(time.monotonic() - t0, 3)}
+    rep = {**build_report(args, dual, control, comp, ev, v, cmd), "wall_s": round(time.monotonic() - t0, 3)}
     run_dir = paths.RUNS / args.run
     with atomic.atomic_dir(run_dir / "compare") as tmp:
         atomic.write_json(tmp / "report.json", rep)
         atomic.write_text(tmp / "report.md", render_md(rep))
         plot_curves(tmp / "loss_curves.png", dual, control, losses, v["verdict"])
-    argv = [sys.executable, "bin/compare.py", *sys.argv[1:]]
-    launch.write_reproduce(run_dir, "compare", compare_make_cmd(args), [argv])
+    launch.write_reproduce(run_dir, "compare", cmd, [[sys.executable, "bin/compare.py", *sys.argv[1:]]])
     launch.finish_manifest(run_dir, "compare", v)
-    lo = rep["loss"]
+    lo, rel = rep["loss"], rep["loss"]["relative_diff"]
     event("compare", run=args.run, control=control["run"], verdict=json.dumps(v["verdict"]),
-          **{f"{k}_loss": math.nan if lo[k] is None else lo[k] for k in ("base", "control", "dual")},
-          rel_loss_pct=math.nan if lo["relative_diff"] is None else 100 * lo["relative_diff"],
-          speedup=v["speedup"] or math.nan, efficiency=v["scaling_efficiency"] or math.nan,
+          **{f"{k}_loss": lo[k] for k in ("base", "control", "dual")}, rel_loss_pct=rel and 100 * rel,
+          speedup=v["speedup"], efficiency=v["scaling_efficiency"],
           report=f"runs/{args.run}/compare/report.md")
     for w in comp["warnings"]:
         print(f"warning: {w}", flush=True)
