@@ -20,6 +20,7 @@ Writes runs/calibration-<UTC>.json. Exit 0 written, 1 a phase failed (nothing wr
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -31,12 +32,18 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, paths  # noqa: E402
+from lib import atomic, launch, paths  # noqa: E402
+from lib import config as C  # noqa: E402
+from lib.hashing import sha256_file  # noqa: E402
+from lib.hostfile import Hostfile, check_path  # noqa: E402
+from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import OOM_RE, PARITY, RunbookError, die, event, failure  # noqa: E402
+from lib.remote import run_on  # noqa: E402
 
 ANCHOR, FORMAT, RESULT, MiB = "calibrate", "thunder-runbook/calibration", "calibrate-result ", 1 << 20
 SCRIPT, MEM_FRACTION = "bin/calibrate.py", 0.8  # a batch may peak at this share of the memory ceiling
@@ -56,9 +63,6 @@ class Stepper:
     """bin/train.py's own model preparation, optimizer and compiled step on random full-length batches."""
 
     def __init__(self, cfg: dict):
-        import importlib.util
-        import types
-
         import mlx.core as mx
         from mlx.utils import tree_flatten
         from mlx_lm.tuner.trainer import grad_checkpoint
@@ -320,25 +324,20 @@ def run_probe(argv: list[str], timeout: float, what: str, fix: str, category: st
 
 
 def phase_compute(args, hf, cfg: dict, probe_id: str, hosts: list[dict]) -> None:
-    from lib.hostfile import Hostfile
-    from lib.launch import launch_argv
-
     w, g = hf.size, cfg["batch_size"] * cfg["grad_accumulation_steps"]
     must = sorted({cfg["batch_size"], g} | {x // w for x in (cfg["batch_size"], g) if x % w == 0})
     for h in hosts:
         spec = {"probe_id": probe_id, "cfg": cfg, "host": h["ssh"], "budget_s": args.budget_s, "must": must,
                 "max_batch": args.max_batch, "steps": args.steps, "mem_fraction": MEM_FRACTION}
         alone = Hostfile(args.hostfile, [hf.hosts[h["ranks"][0]]])  # over ssh, not mlx.launch
-        argv = launch_argv(args.hostfile, alone, args.python, args.remote_root,
-                           ["--compute-probe", json.dumps(spec)], script=SCRIPT)
+        argv = launch.launch_argv(args.hostfile, alone, args.python, args.remote_root,
+                                  ["--compute-probe", json.dumps(spec)], script=SCRIPT)
         event("calibrate-phase", phase="compute", host=h["ssh"], budget_s=args.budget_s)
         h.update(run_probe(argv, args.budget_s + args.timeout_s, f"{h['ssh']}: the compute probe failed",
                            f"run `make sync` and `make check-parity HOSTFILE={args.hostfile}` first"))
 
 
 def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -> dict:
-    from lib.launch import launch_argv
-
     spec = {"probe_id": probe_id, "cfg": cfg, "steps": args.steps, "min_bytes": args.min_bytes,
             "max_bytes": args.max_bytes, "per_rank_batch": per_rank_batch}
     port = args.port
@@ -346,8 +345,8 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    argv = launch_argv(args.hostfile, hf, args.python, args.remote_root,
-                       ["--rank-probe", json.dumps(spec)], port, script=SCRIPT)
+    argv = launch.launch_argv(args.hostfile, hf, args.python, args.remote_root,
+                              ["--rank-probe", json.dumps(spec)], port, script=SCRIPT)
     event("calibrate-phase", phase="link", world_size=hf.size, backend=hf.backend or "ring",
           per_rank_batch=per_rank_batch or "-", max_bytes=args.max_bytes)
     res = run_probe(argv, args.timeout_s, "the link probe failed", f"check `make check-parity HOSTFILE="
@@ -359,27 +358,12 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
             "bandwidth_gbps": {"bytes": top["bytes"], "busbw_mean": top["busbw_gbps"],
                                "busbw_best": top["best_busbw_gbps"]}}
     if "concurrent" in res:  # per host, its slowest rank
-        c, link["concurrent"] = res["concurrent"], {}
+        c, slowest = res["concurrent"], {}
         for h, t in zip(hf.hosts, c["step_s"], strict=True):
-            if t >= link["concurrent"].get(h.ssh, {}).get("step_s", 0):
-                link["concurrent"][h.ssh] = {"batch": c["batch"], "step_s": t,
-                                             "tok_per_s": c["tokens_per_step"] / t}
+            slowest[h.ssh] = max(t, slowest.get(h.ssh, 0))
+        link["concurrent"] = {h: {"batch": c["batch"], "step_s": t, "tok_per_s": c["tokens_per_step"] / t}
+                              for h, t in slowest.items()}
     return link
-
-
-def load_inputs(args):
-    from lib import config as C
-    from lib.hostfile import check_path
-    from lib.hostfile import load as load_hostfile
-
-    hf = load_hostfile(args.hostfile)
-    check_path(args.remote_root, "REMOTE_ROOT")
-    check_path(args.python, "PYTHON")
-    cfg = dict(C.load_config(args.config), model=args.model, resume_adapter_file=None)
-    if not 4 <= args.min_bytes <= args.max_bytes or min(args.budget_s, args.max_batch, args.steps) <= 0:
-        raise RunbookError(f"--min-bytes {args.min_bytes} / --max-bytes {args.max_bytes}: need 4 <= min <= "
-                           "max; --budget-s, --max-batch, --steps: positive", ANCHOR)
-    return hf, cfg
 
 
 def measure(args, hf, cfg: dict, probe_id: str) -> dict:
@@ -408,22 +392,23 @@ def measure(args, hf, cfg: dict, probe_id: str) -> dict:
 
 
 def orchestrate(args) -> int:
-    from lib import launch
-    from lib.hashing import sha256_file
-
     t0, probe_id, load_start = time.time(), f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}", os.getloadavg()
     try:
-        hf, cfg = load_inputs(args)
+        hf, cfg = load_hostfile(args.hostfile), C.load_config(args.config)
+        check_path(args.remote_root, "REMOTE_ROOT")
+        check_path(args.python, "PYTHON")
+        if not 4 <= args.min_bytes <= args.max_bytes or min(args.budget_s, args.max_batch, args.steps) <= 0:
+            raise RunbookError(f"--min-bytes {args.min_bytes} / --max-bytes {args.max_bytes}: need 4 <= min "
+                               "<= max; --budget-s, --max-batch, --steps: positive", ANCHOR)
     except (RunbookError, ValueError) as e:
         return die(e if isinstance(e, RunbookError) else RunbookError(str(e), ANCHOR), 2)
+    cfg.update(model=args.model, resume_adapter_file=None)
     event("calibrate", hostfile=args.hostfile, world_size=hf.size, backend=hf.backend or "ring",
           model=args.model, max_seq_length=cfg["max_seq_length"], batch_size=cfg["batch_size"],
           loadavg=f"{load_start[0]:.2f}")
     try:
         measured = measure(args, hf, cfg, probe_id)
     except BaseException as e:  # leave no probe behind on any host, then say why (a bug: the traceback)
-        from lib.remote import run_on
-
         for host in hf.unique_ssh():
             run_on(host, ["pkill", "-KILL", "-f", "--", r"bin/calibrate\.py --[a-z]+-probe .*" + probe_id])
         if isinstance(e, KeyboardInterrupt):
