@@ -378,8 +378,8 @@ def measure(args, hf, cfg: dict, probe_id: str) -> dict:
         per_rank = rec["per_rank_batch"]  # the configured split does not fit: time the one that does
     link = phase_link(args, hf, cfg, probe_id, per_rank) if hf.size > 1 else None
     sp = {"unknown": skipped} if skipped else speedup_model(cfg, hf.size, hosts, link)
-    unknown = {"compute": skipped} if skipped else {}
-    unknown |= {"link": "one rank: no link to measure"} if hf.size == 1 else {}
+    one = hf.size == 1 and "one rank: no link to measure"
+    unknown = {k: v for k, v in (("compute", skipped), ("link", one)) if v}
     unknown |= {k: sp["unknown"] for k in ("expected_speedup", "compute_bound_speedup") if sp.get(k) is None}
     boots: dict = {}
     for h in hosts:

@@ -138,6 +138,7 @@ def gather(args) -> types.SimpleNamespace:
     c.ds_why = f"datasets/{args.dataset}/manifest.json missing or without a train count: run `make export`"
     c.sync, c.smoke = (launch.read_json(c.run_dir / f) for f in ("sync.json", "smoke.json"))
     c.global_batch = cfg["batch_size"] * cfg["grad_accumulation_steps"]
+    c.nodes = {h: sum(x.ssh == h for x in hf.hosts) for h in hf.unique_ssh()}  # ranks per host
     c.per_rank = cfg["batch_size"] // hf.size if cfg["batch_size"] % hf.size == 0 else None
     rec = (c.cal or {}).get("recommendation", {})
     if "fits_memory_cap" not in rec or not c.per_rank:
@@ -155,7 +156,6 @@ def gather(args) -> types.SimpleNamespace:
 def model_sections(c) -> dict:
     cal, cfg, why = c.cal or {}, c.cfg, c.cal_why or "not in the calibration"
     rec, sp, hosts = cal.get("recommendation", {}), cal.get("speedup", {}), cal.get("hosts", [])
-    nodes = {h.ssh: sum(x.ssh == h.ssh for x in c.hf.hosts) for h in c.hf.hosts}
     devices = sorted({(h.get("facts") or {}).get("device") for h in hosts} - {None})
     epochs = (lambda steps: steps * c.global_batch / c.train_records) if c.train_records else None
     warmup = int((cfg["lr_schedule"] or {}).get("warmup", 0))
@@ -163,8 +163,8 @@ def model_sections(c) -> dict:
     done = [e for e in launch.metrics(c.run_dir) if e.get("kind") == "done" and e.get("train_wall_s")]
     return {"strategy": {
         "approach": f"MLX data parallel: mlx.launch runs bin/train.py on {c.world} rank(s), {c.backend}",
-        "parallelism": "data", "nodes": len(nodes), "total_gpus": c.world,
-        "gpus_per_node": max(nodes.values()), "device": ", ".join(devices) or unknown(why),
+        "parallelism": "data", "nodes": len(c.nodes), "total_gpus": c.world,
+        "gpus_per_node": max(c.nodes.values()), "device": ", ".join(devices) or unknown(why),
         "trainable_params": unknown(why, cal.get("trainable_params"))},
         "batch_configuration": {
         "per_gpu_batch_size": unknown(f"batch_size {cfg['batch_size']} is not divisible by the world size "
@@ -237,7 +237,7 @@ def host_sections(c) -> dict:
     alone = {h: max(rows, key=lambda r: r["batch"]) for h, rows in fit.items() if rows}
     bad = sorted({x["host"] for x in p.get("checks", []) if x["name"] in names and x["status"] == "fail"})
     conc, no_sync = (cal.get("link") or {}).get("concurrent", {}), f"{paths.rel(c.run_dir)}/sync.json missing"
-    fix = f"run `{c.cmd['sync']}`"
+    run_sync = f"{no_sync}: run `{c.cmd['sync']}`"
     notes = [f"{h['ssh']}: stopped by {h.get('stopped', {}).get('reason')}" for h in cal.get("hosts", [])]
     notes += [f"expected speedup {cal.get('expected_speedup')}, link share {cal.get('link_share')}, shared "
               f"machine {cal.get('shared_machine')}"]
@@ -245,7 +245,7 @@ def host_sections(c) -> dict:
         "sync_script": "bin/sync.py (make sync)", "command": c.cmd["sync"], "block_on_failure": True,
         "validation_checks": ["code sha256", "dataset files sha256 = manifest", "model files",
                               "probe after the transfer"],
-        "sync_status": ("success" if s["ok"] else "failed") if s else unknown(f"{no_sync}: {fix}"),
+        "sync_status": ("success" if s["ok"] else "failed") if s else unknown(run_sync),
         "sync_output": "; ".join(f"{h['host']}: {'verified' if h.get('verified') else 'NOT verified'}" for h
                                  in s.get("hosts", [])) + f" at {s.get('ts')}" if s else unknown(no_sync)},
         "hardware_calibration": {
@@ -253,8 +253,7 @@ def host_sections(c) -> dict:
                                      "tok_per_s_every_rank": conc.get(h, {}).get("tok_per_s")}
                                  for h, r in alone.items()}
         or unknown(c.cal_why or f"no sweep row at or below batch {c.per_rank}"),
-        "workload_distribution": {h: sum(x.ssh == h for x in c.hf.hosts) / c.world
-                                  for h in c.hf.unique_ssh()},
+        "workload_distribution": {h: n / c.world for h, n in c.nodes.items()},
         "macos_qos_api": "not set: the trainer runs at the default QoS class",
         "calibration_notes": "; ".join(notes) if cal else unknown(c.cal_why),
         "calibration_file": cal["file"] if cal else unknown(c.cal_why)},
@@ -289,8 +288,8 @@ def check(name: str, status: str, detail: str, fix: str = "") -> dict:
 def parity_layer(c, name: str, names: tuple, fix: str) -> dict:
     """Passes when check-parity's rows of `names` (or under them) passed on every host."""
     p = c.parity
-    bad = [x for x in p.get("checks", []) if x["status"] == "fail" and (x["name"] in names or x["name"].split(
-        ".")[0] in names)]
+    bad = [x for x in p.get("checks", [])
+           if x["status"] == "fail" and {x["name"], x["name"].split(".")[0]} & set(names)]
     if bad:
         return check(name, "fail", "; ".join(f"{x['host']} {x['name']}: {x['detail']}" for x in bad[:4]), fix)
     if "error" in p or p.get("stale"):
