@@ -20,7 +20,6 @@ import argparse
 import importlib.util
 import json
 import math
-import re
 import shlex
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, jsonl, launch, paths  # noqa: E402
+from lib import atomic, launch, paths  # noqa: E402
 from lib import config as C  # noqa: E402
 from lib.hashing import sha256_file  # noqa: E402
 from lib.hostfile import check_path  # noqa: E402
@@ -43,10 +42,13 @@ SECTIONS = ("strategy", "batch_configuration", "distributed_config", "rdma_confi
             "worker_consistency", "coordinator_chunking", "pre_flight_checklist")
 LAYERS = ("hardware_layer", "worker_layer", "checkpoint_layer", "gradient_layer", "performance_layer",
           "health_check", "pre_rdma_sync", "worker_consistency")
+CAL_KEYS = ("max_seq_length", "num_layers", "fine_tune_type", "lora_parameters", "grad_checkpoint", "loss",
+            "loss_chunk_tokens")  # a calibration measured with other values is not used
 
 
-def unknown(reason: str) -> dict:
-    return {"value": None, "unknown": reason}
+def unknown(reason: str, value=None):
+    """value, or when it is None the explicit unknown with its reason."""
+    return {"value": None, "unknown": reason} if value is None else value
 
 
 def unknowns_in(obj, path: str = "") -> list[dict]:
@@ -58,139 +60,118 @@ def unknowns_in(obj, path: str = "") -> list[dict]:
                                                   f"{path}.{k}" if path else k)]
 
 
-# ---- inputs ------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag in ("--hostfile", "--config", "--model", "--dataset", "--remote-root", "--python"):
         p.add_argument(flag, required=True)
-    p.add_argument("--run", default="stage1", help="the run whose sync.json, smoke.json, metrics.jsonl are read")
+    p.add_argument("--run", default="stage1", help="the run whose sync, smoke and metrics are read")
     p.add_argument("--runs-dir", default=str(paths.RUNS), help="where runs, parity and calibrations live")
-    p.add_argument("--max-parity-age-s", type=float, default=3600.0, help="an older check-parity result is stale")
+    p.add_argument("--max-parity-age-s", type=float, default=3600.0, help="older check-parity is stale")
     p.add_argument("--min-speedup", type=float, help="the speedup compare requires (default: compare's)")
     p.add_argument("--strict", action="store_true", help="exit 1 unless every pre-flight check passes")
     return p
 
 
-def read_json(path: Path) -> tuple[dict | None, str]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return (data, "") if isinstance(data, dict) else (None, "is not a JSON object")
-    except FileNotFoundError:
-        return None, "missing"
-    except (OSError, ValueError) as e:
-        return None, f"unreadable ({e})"
-
-
+# ---- inputs ------------------------------------------------------------------------------------
 def load_parity(c) -> dict:
-    """The check-parity result for these hosts: {status, code, ts, checks, stale?} or {error}."""
-    path = Path(c.args.runs_dir) / "parity" / "last.json"
-    data, why = read_json(path)
-    seen = {x.get("host") for x in (data or {}).get("checks", [])} - {"-"}
-    if data is None or not set(c.hf.unique_ssh()) <= seen:
-        where = f"checked {sorted(seen) or 'no host'}, not {sorted(set(c.hf.unique_ssh()))}" if data else why
-        return {"error": f"{'no check-parity result (' if data is None else ''}{paths.rel(path)} {where}"
-                         f"{')' if data is None else ''}: run `{c.cmd['check-parity']}`"}
-    out = {"file": paths.rel(path), "status": data.get("status"), "code": data.get("code"), "ts": data.get("ts", "?"),
+    """The check-parity result for these hosts: {file, status, code, ts, checks, stale?} or {error}."""
+    path, want = Path(c.args.runs_dir) / "parity" / "last.json", sorted(set(c.hf.unique_ssh()))
+    data, rel, fix = launch.read_json(path), paths.rel(path), f"run `{c.cmd['check-parity']}`"
+    seen = sorted({x.get("host") for x in data.get("checks", [])} - {"-"})
+    if not data:
+        return {"error": f"no check-parity result ({rel} missing or unreadable): {fix}"}
+    if not set(want) <= set(seen):
+        return {"error": f"{rel} checked {seen}, not {want}: {fix}"}
+    out = {"file": rel, "status": data.get("status"), "code": data.get("code"), "ts": data.get("ts", "?"),
            "checks": data["checks"]}
     try:
         age = time.time() - datetime.strptime(out["ts"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
     except ValueError:
         age = None
     if age is None or age > c.args.max_parity_age_s:
-        out["stale"] = (f"{paths.rel(path)} is {'of unknown age' if age is None else f'{age / 60:.0f} min old'} "
-                        f"(limit {c.args.max_parity_age_s / 60:.0f} min): run `{c.cmd['check-parity']}`")
+        out["stale"] = (f"{rel} is {'of unknown age' if age is None else f'{age / 60:.0f} min old'} "
+                        f"(limit {c.args.max_parity_age_s / 60:.0f} min): {fix}")
     return out
 
 
 def load_calibration(c) -> tuple[dict | None, str]:
-    """(the newest calibration measured for these hosts, model and settings, or None; why not)."""
-    files = sorted(Path(c.args.runs_dir).glob("calibration-*.json"))
+    """(the newest calibration if measured for these hosts, model and settings, else None; why not)."""
+    files, fix = sorted(Path(c.args.runs_dir).glob("calibration-*.json")), f"run `{c.cmd['calibrate']}`"
     if not files:
-        return None, f"no calibration yet: run `{c.cmd['calibrate']}`"
-    cal, why = read_json(files[-1])
-    if cal is None:
-        return None, f"{paths.rel(files[-1])} {why}: run `{c.cmd['calibrate']}`"
-    hf = cal.get("hostfile", {})
-    bad = [] if cal.get("format_version") == 2 else [f"format version {cal.get('format_version')}, not 2"]
-    bad += [] if [(h.get("ssh"), h.get("ips")) for h in hf.get("hosts", [])] == [(h.ssh, h.ips) for h in c.hf.hosts] \
-        else [f"hosts {[h.get('ssh') for h in hf.get('hosts', [])]}"]
-    bad += [] if (hf.get("backend") or "ring") == c.backend else [f"backend {hf.get('backend')}"]
-    bad += [] if (cal.get("model"), cal.get("model_sha256")) == (c.args.model, c.model_sha) else [f"model {cal.get('model')}"]
-    bad += [f"{k} {cal.get('config', {}).get(k)!r}, not {c.cfg[k]!r}" for k in (
-        "max_seq_length", "num_layers", "fine_tune_type", "lora_parameters", "grad_checkpoint",
-        "loss", "loss_chunk_tokens") if cal.get("config", {}).get(k) != c.cfg[k]]
+        return None, f"no calibration yet: {fix}"
+    cal, rel = launch.read_json(files[-1]), paths.rel(files[-1])
+    hf, conf, model = cal.get("hostfile", {}), cal.get("config", {}), cal.get("model")
+    hosts = [(h.get("ssh"), h.get("ips")) for h in hf.get("hosts", [])]
+    bad = [why for ok, why in (
+        (cal.get("format_version") == 2, f"format version {cal.get('format_version')}, not 2"),
+        (hosts == [(h.ssh, h.ips) for h in c.hf.hosts], f"hosts {[h[0] for h in hosts]}"),
+        ((hf.get("backend") or "ring") == c.backend, f"backend {hf.get('backend')}"),
+        ((model, cal.get("model_sha256")) == (c.args.model, c.model_sha), f"model {model}"),
+        *((conf.get(k) == c.cfg[k], f"{k} {conf.get(k)!r}, not {c.cfg[k]!r}") for k in CAL_KEYS)) if not ok]
     if bad:
-        return None, f"the newest calibration {paths.rel(files[-1])} was measured for {'; '.join(bad)}: run `{c.cmd['calibrate']}`"
-    cal["file"] = paths.rel(files[-1])
-    return cal, ""
+        return None, f"the newest calibration {rel} was measured for {'; '.join(bad)}: {fix}"
+    return dict(cal, file=rel), ""
 
 
 def gather(args) -> types.SimpleNamespace:
     """Every input, read once: the hostfile and config (bad ones are errors), the rest as found."""
-    hf = load_hostfile(args.hostfile)
+    hf, cfg = load_hostfile(args.hostfile), C.load_config(args.config)
     check_path(args.remote_root, "REMOTE_ROOT")
     check_path(args.python, "PYTHON")
     paths.check_run_id(args.run)
-    cfg = C.load_config(args.config)
-    cfg["model"] = args.model
     spec = importlib.util.spec_from_file_location("thunder_compare", paths.ROOT / "bin" / "compare.py")
     compare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compare)
     v = {"HOSTFILE": args.hostfile, "CONFIG": args.config, "MODEL": args.model, "DATASET": args.dataset,
          "REMOTE_ROOT": args.remote_root, "PYTHON": args.python, "RUN": args.run}
-    cmd = {t: shlex.join(["make", t, *[f"{k}={x}" for k, x in v.items()]]) for t in (
+    cmd = {t: shlex.join(launch.make_cmd(t, v)) for t in (
         "check-parity", "sync", "calibrate", "smoke", "train", "control", "compare", "plan")}
     c = types.SimpleNamespace(args=args, hf=hf, cfg=cfg, world=hf.size, backend=hf.backend or "ring", cmd=cmd,
                               model_sha=launch.model_hash(args.model), run_dir=Path(args.runs_dir) / args.run,
-                              min_speedup=compare.DEFAULT_MIN_SPEEDUP if args.min_speedup is None else args.min_speedup,
                               tolerance=compare.DEFAULT_TOLERANCE)
-    c.parity = load_parity(c)
-    c.cal, c.cal_why = load_calibration(c)
-    c.manifest, c.ds_why = read_json(paths.DATASETS / args.dataset / "manifest.json")
-    c.train_records = (c.manifest or {}).get("counts", {}).get("train")
-    c.ds_why = f"datasets/{args.dataset}/manifest.json {c.ds_why or 'has no train count'}: run `make export`"
-    c.sync, c.sync_why = read_json(c.run_dir / "sync.json")
-    c.smoke, c.smoke_why = read_json(c.run_dir / "smoke.json")
+    c.min_speedup = compare.DEFAULT_MIN_SPEEDUP if args.min_speedup is None else args.min_speedup
+    c.parity, (c.cal, c.cal_why) = load_parity(c), load_calibration(c)
+    c.calibrate_longer = f"run `{cmd['calibrate']} CALIBRATE_ARGS=--budget-s=600`"
+    counts = launch.read_json(paths.DATASETS / args.dataset / "manifest.json").get("counts", {})
+    c.train_records = counts.get("train")
+    c.ds_why = f"datasets/{args.dataset}/manifest.json missing or without a train count: run `make export`"
+    c.sync, c.smoke = (launch.read_json(c.run_dir / f) for f in ("sync.json", "smoke.json"))
     c.global_batch = cfg["batch_size"] * cfg["grad_accumulation_steps"]
+    c.nodes = {h: sum(x.ssh == h for x in hf.hosts) for h in hf.unique_ssh()}  # ranks per host
     c.per_rank = cfg["batch_size"] // hf.size if cfg["batch_size"] % hf.size == 0 else None
     rec = (c.cal or {}).get("recommendation", {})
     if "fits_memory_cap" not in rec or not c.per_rank:
-        c.fits = unknown(c.cal_why or rec.get("error") or f"batch_size {cfg['batch_size']} is not divisible by {hf.size}")
+        c.fits = unknown(c.cal_why or rec.get("error") or f"batch_size {cfg['batch_size']} is not divisible "
+                         f"by {hf.size}")
     elif c.per_rank <= rec["fits_memory_cap"] or rec["fits_memory_cap_kind"] == "measured":
         c.fits = c.per_rank <= rec["fits_memory_cap"]
     else:
-        c.fits = unknown(f"{c.cal['file']}: batch {rec['fits_memory_cap']} fits and larger ones were not measured: "
-                         f"run `{cmd['calibrate']} CALIBRATE_ARGS=--budget-s=600`")
+        c.fits = unknown(f"{c.cal['file']}: batch {rec['fits_memory_cap']} fits and larger ones were not "
+                         f"measured: {c.calibrate_longer}")
     return c
 
 
 # ---- the sections ------------------------------------------------------------------------------
-def or_unknown(value, reason: str):
-    return unknown(reason) if value is None else value
-
-
 def model_sections(c) -> dict:
     cal, cfg, why = c.cal or {}, c.cfg, c.cal_why or "not in the calibration"
-    rec, sp = cal.get("recommendation", {}), cal.get("speedup", {})
-    nodes = {h.ssh: sum(x.ssh == h.ssh for x in c.hf.hosts) for h in c.hf.hosts}
-    devices = sorted({(h.get("facts") or {}).get("device") for h in cal.get("hosts", [])} - {None})
-    sched = cfg["lr_schedule"] or {}
+    rec, sp, hosts = cal.get("recommendation", {}), cal.get("speedup", {}), cal.get("hosts", [])
+    devices = sorted({(h.get("facts") or {}).get("device") for h in hosts} - {None})
     epochs = (lambda steps: steps * c.global_batch / c.train_records) if c.train_records else None
-    peak = [r["peak_mem_bytes"] / 1e9 for h in cal.get("hosts", []) for r in h.get("sweep", []) if r["batch"] == c.per_rank]
-    done = [e for e in jsonl.read(c.run_dir / "metrics.jsonl") if e.get("kind") == "done" and e.get("train_wall_s")] \
-        if (c.run_dir / "metrics.jsonl").is_file() else []
+    warmup = int((cfg["lr_schedule"] or {}).get("warmup", 0))
+    peak = [r["peak_mem_bytes"] / 1e9 for h in hosts for r in h.get("sweep", []) if r["batch"] == c.per_rank]
+    done = [e for e in launch.metrics(c.run_dir) if e.get("kind") == "done" and e.get("train_wall_s")]
     return {"strategy": {
-        "approach": f"MLX data parallel: mlx.launch runs bin/train.py on {c.world} rank(s), {c.backend} backend",
-        "parallelism": "data", "nodes": len(nodes), "total_gpus": c.world, "gpus_per_node": max(nodes.values()),
-        "device": ", ".join(devices) or unknown(c.cal_why or "the calibration has no device facts"),
-        "trainable_params": or_unknown(cal.get("trainable_params"), why)},
+        "approach": f"MLX data parallel: mlx.launch runs bin/train.py on {c.world} rank(s), {c.backend}",
+        "parallelism": "data", "nodes": len(c.nodes), "total_gpus": c.world,
+        "gpus_per_node": max(c.nodes.values()), "device": ", ".join(devices) or unknown(why),
+        "trainable_params": unknown(why, cal.get("trainable_params"))},
         "batch_configuration": {
-        "per_gpu_batch_size": or_unknown(c.per_rank, f"batch_size {cfg['batch_size']} is not divisible by the world "
-                                                     f"size {c.world}: fix {c.args.config}"),
+        "per_gpu_batch_size": unknown(f"batch_size {cfg['batch_size']} is not divisible by the world size "
+                                      f"{c.world}: fix {c.args.config}", c.per_rank),
         "total_batch_size": c.global_batch, "gradient_accumulation_steps": cfg["grad_accumulation_steps"],
         "learning_rate": float(cfg["learning_rate"]), "fits_memory": c.fits,
-        "warmup_epochs": epochs(int(sched.get("warmup", 0))) if epochs else unknown(c.ds_why),
+        "warmup_epochs": epochs(warmup) if epochs else unknown(c.ds_why),
         "epochs": epochs(cfg["iters"]) if epochs else unknown(c.ds_why),
         "recommended": {"per_gpu_batch_size": rec["per_rank_batch"], "gradient_accumulation_steps":
                         rec["grad_accumulation_steps"], "config_batch_size": rec["config_batch_size"],
@@ -201,14 +182,15 @@ def model_sections(c) -> dict:
         "throughput": {"tok_per_s": c.global_batch * (cfg["max_seq_length"] - 1) / sp["t_dual_step_s"],
                        "source": f"{cal['file']}: global batch x (max_seq_length - 1) / the dual step"}
         if sp.get("t_dual_step_s") else unknown(c.cal_why or sp.get("unknown", "not measured")),
-        "expected_speedup": or_unknown(cal.get("expected_speedup"), c.cal_why or cal.get("unknown", {}).get(
-            "expected_speedup", "not measured")),
+        "expected_speedup": unknown(c.cal_why or cal["unknown"].get("expected_speedup", "not measured"),
+                                    cal.get("expected_speedup")),
         "min_speedup": c.min_speedup,
-        "gpu_utilization": unknown("MLX exposes no GPU utilization counter; tok/s against expected_speedup stands in"),
-        "peak_memory_gb": max(peak) if peak else unknown(c.cal_why or f"{cal['file']}: batch {c.per_rank} not "
-                                                         f"measured: run `{c.cmd['calibrate']} CALIBRATE_ARGS=--budget-s=600`"),
-        "checkpoint_overhead": {"target_pct": 3.0, "measured_pct": 100 * done[-1].get("checkpoint_s", 0) / done[-1][
-            "train_wall_s"] if done else unknown(f"no finished run in {paths.rel(c.run_dir)}: run `{c.cmd['train']}`")}}}
+        "gpu_utilization": unknown("MLX has no GPU utilization counter: tok/s and expected_speedup stand in"),
+        "peak_memory_gb": max(peak) if peak else unknown(
+            c.cal_why or f"{cal['file']}: batch {c.per_rank} not measured: {c.calibrate_longer}"),
+        "checkpoint_overhead": {"target_pct": 3.0, "measured_pct": unknown(
+            f"no finished run in {paths.rel(c.run_dir)}: run `{c.cmd['train']}`",
+            100 * done[-1].get("checkpoint_s", 0) / done[-1]["train_wall_s"] if done else None)}}}
 
 
 def launch_sections(c) -> dict:
@@ -217,69 +199,74 @@ def launch_sections(c) -> dict:
         e.partition("=")[::2] for e in c.hf.envs)
     targs = launch.trainer_args(types.SimpleNamespace(model=c.args.model, dataset=c.args.dataset, seed=None),
                                 f"runs/{c.args.run}", c.args.config)
-    jaccl, rdma = c.backend.startswith("jaccl"), [x for x in c.parity.get("checks", []) if x["name"] == "resources.rdma"]
-    smoke = c.smoke if c.smoke and c.smoke.get("ok") and len(c.smoke.get("launches", [])) >= 2 else None
+    rdma = [x["status"] == "pass" for x in c.parity.get("checks", []) if x["name"] == "resources.rdma"]
+    jaccl, ring = c.backend.startswith("jaccl"), "the hostfile's backend is ring"
+    smoke = c.smoke if c.smoke.get("ok") and len(c.smoke.get("launches", [])) >= 2 else None
     return {"distributed_config": {
-        "mlx_launch_command": shlex.join(launch.launch_argv(c.args.hostfile, c.hf, c.args.python, c.args.remote_root,
-                                                            targs)),
+        "mlx_launch_command": shlex.join(launch.launch_argv(c.args.hostfile, c.hf, c.args.python,
+                                                            c.args.remote_root, targs)),
         "backend": c.backend, "mlx_env_vars": envs,
-        "gradient_sync": "mlx.nn.average_gradients: all_sum of the LoRA gradients in 32 MiB groups per optimizer step",
+        "gradient_sync": "mlx.nn.average_gradients: all_sum of the LoRA gradients per optimizer step",
         "unified_memory": all(f.get("platform") == "darwin" and f.get("machine") == "arm64" for f in facts)
-        if facts and all(f.get("platform") for f in facts) else unknown(c.cal_why or "no host facts in the calibration")},
+        if facts and all(f.get("platform") for f in facts) else unknown(c.cal_why or "no host facts")},
         "rdma_config": {
-        "enabled": jaccl, "backend": c.backend, "env_vars": {k: v for k, v in envs.items() if not k.startswith("MLX_")},
-        "platform": "JACCL: macOS 26.2+ and a Thunderbolt 5 cable per pair" if jaccl else "ring over TCP; no RDMA",
-        "verified": (all(x["status"] == "pass" for x in rdma) if rdma else unknown(c.parity.get("error") or
-                     "check-parity reported no resources.rdma row: run it on the Macs")) if jaccl else
-        unknown("the hostfile's backend is ring: no RDMA devices to verify"),
-        "setup": "`rdma_ctl enable` once per Mac, from Recovery OS" if jaccl else unknown("not needed: backend ring"),
-        "expected_speedup": unknown("JACCL over ring is two calibrations of these hosts, one per backend: compare "
-                                    "their link.bandwidth_gbps (`make calibrate HOSTFILE=<ring> / <jaccl>`)")},
+        "enabled": jaccl, "backend": c.backend, "env_vars": {k: v for k, v in envs.items() if k[:3] != "MLX"},
+        "platform": "JACCL: macOS 26.2+, a Thunderbolt 5 cable a pair" if jaccl else "ring over TCP: no RDMA",
+        "verified": unknown(f"{ring}: no RDMA devices to verify") if not jaccl else all(rdma) if rdma else
+        unknown(c.parity.get("error") or "check-parity reported no resources.rdma row: run it on the Macs"),
+        "setup": "`rdma_ctl enable` once per Mac in Recovery OS" if jaccl else unknown(f"{ring}: not needed"),
+        "expected_speedup": unknown("JACCL vs ring: compare link.bandwidth_gbps of two calibrations of these "
+                                    "hosts (`make calibrate HOSTFILE=<ring hostfile>`, then the jaccl one)")},
         "checkpoint_strategy": {
-        "approach": "atomic verified checkpoints (lib/checkpoint.py): exact resume of weights, optimizer, RNG, data order",
+        "approach": "atomic verified checkpoints (lib/checkpoint.py): exact resume of weights, optimizer, "
+                    "RNG, data order",
         "async": False, "compression": "none (safetensors)", "resume_command": c.cmd["train"] + " RESUME=1",
-        "storage": f"{c.args.remote_root}/runs/{c.args.run}/checkpoints on {c.hf.hosts[0].ssh}, fetched after the run",
+        "storage": f"{c.args.remote_root}/runs/{c.args.run}/checkpoints on {c.hf.hosts[0].ssh}, then fetched",
         "frequency": f"every {c.cfg['save_every']} steps and the last", "retention":
         f"the last {c.cfg['keep_last_k']}, the best by validation loss and the final one",
-        "expected_recovery_time": {"seconds": smoke["launches"][1]["wall_s"], "source": f"runs/{c.args.run}/smoke.json: "
-                                   "the resume launch's wall time"} if smoke else unknown(
-            f"no passing smoke for run {c.args.run} ({c.smoke_why or 'not ok'}): run `{c.cmd['smoke']}`")}}
+        "expected_recovery_time": {"seconds": smoke["launches"][1]["wall_s"], "source": f"runs/{c.args.run}/"
+                                   "smoke.json: the resume launch's wall time"} if smoke else unknown(
+            f"no passing smoke for run {c.args.run} (smoke.json missing or not ok): run `{c.cmd['smoke']}`")}}
 
 
 def host_sections(c) -> dict:
-    cal, p, names = c.cal or {}, c.parity, ("runtime.python", "runtime.packages", "runtime.mlx", "code", "model", "dataset")
-    alone = {h["ssh"]: max((r for r in h["sweep"] if r["batch"] <= (c.per_rank or 0)), key=lambda r: r["batch"])
-             for h in cal.get("hosts", []) if any(r["batch"] <= (c.per_rank or 0) for r in h.get("sweep", []))}
+    cal, p, s = c.cal or {}, c.parity, c.sync
+    names = ("runtime.python", "runtime.packages", "runtime.mlx", "code", "model", "dataset")
+    fit = {h["ssh"]: [r for r in h.get("sweep", []) if r["batch"] <= (c.per_rank or 0)]
+           for h in cal.get("hosts", [])}
+    alone = {h: max(rows, key=lambda r: r["batch"]) for h, rows in fit.items() if rows}
     bad = sorted({x["host"] for x in p.get("checks", []) if x["name"] in names and x["status"] == "fail"})
-    conc = (cal.get("link") or {}).get("concurrent", {})
-    s = c.sync or {}
+    conc, no_sync = (cal.get("link") or {}).get("concurrent", {}), f"{paths.rel(c.run_dir)}/sync.json missing"
+    run_sync = f"{no_sync}: run `{c.cmd['sync']}`"
+    notes = [f"{h['ssh']}: stopped by {h.get('stopped', {}).get('reason')}" for h in cal.get("hosts", [])]
+    notes += [f"expected speedup {cal.get('expected_speedup')}, link share {cal.get('link_share')}, shared "
+              f"machine {cal.get('shared_machine')}"]
     return {"pre_rdma_sync": {
         "sync_script": "bin/sync.py (make sync)", "command": c.cmd["sync"], "block_on_failure": True,
-        "validation_checks": ["code sha256", "dataset files sha256 = manifest", "model files", "probe after the transfer"],
-        "sync_status": ("success" if s["ok"] else "failed") if s else unknown(f"{paths.rel(c.run_dir / 'sync.json')} "
-                                                                            f"{c.sync_why}: run `{c.cmd['sync']}`"),
-        "sync_output": "; ".join(f"{h['host']}: {'verified' if h.get('verified') else 'NOT verified'}" for h in
-                                 s.get("hosts", [])) + f" at {s.get('ts')}" if s else unknown(c.sync_why)},
+        "validation_checks": ["code sha256", "dataset files sha256 = manifest", "model files",
+                              "probe after the transfer"],
+        "sync_status": ("success" if s["ok"] else "failed") if s else unknown(run_sync),
+        "sync_output": "; ".join(f"{h['host']}: {'verified' if h.get('verified') else 'NOT verified'}" for h
+                                 in s.get("hosts", [])) + f" at {s.get('ts')}" if s else unknown(no_sync)},
         "hardware_calibration": {
-        "measured_performance": {h: {"batch": r["batch"], "tok_per_s_alone": r["tok_per_s"], "tok_per_s_every_rank":
-                                     conc.get(h, {}).get("tok_per_s")} for h, r in alone.items()}
+        "measured_performance": {h: {"batch": r["batch"], "tok_per_s_alone": r["tok_per_s"],
+                                     "tok_per_s_every_rank": conc.get(h, {}).get("tok_per_s")}
+                                 for h, r in alone.items()}
         or unknown(c.cal_why or f"no sweep row at or below batch {c.per_rank}"),
-        "workload_distribution": {h: sum(x.ssh == h for x in c.hf.hosts) / c.world for h in c.hf.unique_ssh()},
+        "workload_distribution": {h: n / c.world for h, n in c.nodes.items()},
         "macos_qos_api": "not set: the trainer runs at the default QoS class",
-        "calibration_notes": "; ".join([f"{h['ssh']}: stopped by {h.get('stopped', {}).get('reason')}" for h in cal.get(
-            "hosts", [])] + [f"expected speedup {cal.get('expected_speedup')}, link share {cal.get('link_share')}, "
-                             f"shared machine {cal.get('shared_machine')}"]) if cal else unknown(c.cal_why),
+        "calibration_notes": "; ".join(notes) if cal else unknown(c.cal_why),
         "calibration_file": cal["file"] if cal else unknown(c.cal_why)},
         "worker_consistency": {
         "validation_checks": [f"check-parity {n}" for n in names], "consistency_threshold": 1.0,
         "script_hash": sha256_file(paths.ROOT / "bin" / "train.py"),
-        "is_consistent": unknown(p.get("error") or p.get("stale", "")) if "error" in p or p.get("stale") else not bad,
+        "is_consistent": unknown(p.get("error") or p["stale"]) if "error" in p or p.get("stale") else not bad,
         "divergent_workers": unknown(p["error"]) if "error" in p else bad,
-        "byzantine_detection": {"enabled": False, "reason": "every host must match exactly; one that differs is fixed "
-                                "with make sync / make provision, never outvoted"}},
+        "byzantine_detection": {"enabled": False, "reason": "every host must match exactly; one that differs "
+                                "is fixed (make sync / make provision), never outvoted"}},
         "coordinator_chunking": {
-        "enabled": False, "chunk_size": CHUNK, "dataset_size": or_unknown(c.train_records, c.ds_why),
-        "num_chunks": math.ceil(c.train_records / CHUNK) if c.train_records is not None else unknown(c.ds_why),
+        "enabled": False, "chunk_size": CHUNK, "dataset_size": unknown(c.ds_why, c.train_records),
+        "num_chunks": unknown(c.ds_why, c.train_records and math.ceil(c.train_records / CHUNK)),
         "why": "the trainer tokenizes every record up front (mlx-lm's CacheDataset) and does not chunk",
         "memory_management": {"gc_collect": False, "mx_clear_cache": True},
         "progress_reporting": "`iter N train_loss L tok/s X` lines and runs/<RUN>/metrics.jsonl"},
@@ -287,58 +274,66 @@ def host_sections(c) -> dict:
             ("check-parity", "ssh, interpreter, packages, code, model and dataset bytes the same everywhere"),
             ("sync", "code + dataset (+ model) at REMOTE_ROOT on every host, verified by sha256"),
             ("calibrate", "per-host tok/s and memory, the all_sum curve, the expected speedup"),
-            ("smoke", f"the group forms with {c.world} ranks, a checkpoint lands and verifies, the resume continues"),
+            ("smoke", f"{c.world} ranks form the group, a checkpoint lands and verifies, a resume continues"),
             ("train", f"the run, checkpoints every {c.cfg['save_every']} steps"),
             ("control", "the single-host control on the same data, seed and global batch"),
-            ("compare", f"test loss within {100 * c.tolerance:g}% of the control's, speedup above {c.min_speedup:g}x"))]}
+            ("compare", f"test loss within {100 * c.tolerance:g}% of the control's, speedup over "
+                        f"{c.min_speedup:g}x"))]}
 
 
 def check(name: str, status: str, detail: str, fix: str = "") -> dict:
     return {"name": name, "status": status, "detail": detail, "fix_command": "" if status == "pass" else fix}
 
 
+def parity_layer(c, name: str, names: tuple, fix: str) -> dict:
+    """Passes when check-parity's rows of `names` (or under them) passed on every host."""
+    p = c.parity
+    bad = [x for x in p.get("checks", [])
+           if x["status"] == "fail" and {x["name"], x["name"].split(".")[0]} & set(names)]
+    if bad:
+        return check(name, "fail", "; ".join(f"{x['host']} {x['name']}: {x['detail']}" for x in bad[:4]), fix)
+    if "error" in p or p.get("stale"):
+        return check(name, "unknown", p.get("error") or p["stale"], c.cmd["check-parity"])
+    where = f"{', '.join(c.hf.unique_ssh())} ({p['file']}, {p['ts']})"
+    return check(name, "pass", f"{', '.join(names)} pass on {where}")
+
+
 def preflight(c) -> list[dict]:
+    """One check per layer of LAYERS, each with the command that fixes it."""
     cal, p, rec = c.cal or {}, c.parity, (c.cal or {}).get("recommendation", {})
-    pc, cc = c.cmd["check-parity"], c.cmd["calibrate"]
-    if c.fits is True:
-        out = [check("hardware_layer", "pass", f"per-rank batch {c.per_rank} fits every host (largest measured "
-                     f"{rec['fits_memory_cap']}; {cal['file']})")]
-    elif c.fits is False:
-        out = [check("hardware_layer", "fail", f"per-rank batch {c.per_rank} does not fit: {rec['why']}",
-                     f"edit {c.args.config}: batch_size {rec['config_batch_size']}, grad_accumulation_steps "
-                     f"{rec['config_grad_accumulation_steps']}")]
-    else:
-        out = [check("hardware_layer", "unknown", c.fits["unknown"], cc)]
-
-    def layer(name, names, fix):
-        bad = [x for x in p.get("checks", []) if {x["name"], x["name"].split(".")[0]} & set(names) and x["status"] == "fail"]
-        if bad or "error" in p or p.get("stale"):
-            return check(name, "fail" if bad else "unknown", "; ".join(f"{x['host']} {x['name']}: {x['detail']}"
-                                                                      for x in bad[:4]) or p.get("error") or p["stale"],
-                         fix if bad else pc)
-        return check(name, "pass", f"{', '.join(names)} pass on {', '.join(c.hf.unique_ssh())} ({p['file']}, {p['ts']})")
-
-    out.append(layer("worker_layer", ("ssh", "runtime", "link"), pc))
-    out.append(check("health_check", "fail" if p.get("code") in (2, 3) else "unknown" if "error" in p or p.get("stale")
-                     else "pass", p.get("error") or p.get("stale") or f"check-parity {p['status']} (exit {p['code']})", pc))
-    out.append(layer("worker_consistency", ("code", "model", "dataset", "runtime"), f"{c.cmd['sync']} (or make provision)"))
-    disk = [x for x in p.get("checks", []) if x["name"] == "resources.disk"]
-    out.append(layer("checkpoint_layer", ("resources.disk",), "free disk space at REMOTE_ROOT, then " + pc) if disk else
+    pc, cc, sc = c.cmd["check-parity"], c.cmd["calibrate"], c.cmd["sync"]
+    out = [check("hardware_layer", "unknown", c.fits["unknown"], cc) if isinstance(c.fits, dict) else
+           check("hardware_layer", "pass", f"per-rank batch {c.per_rank} fits every host (largest measured "
+                 f"{rec['fits_memory_cap']}; {cal['file']})") if c.fits else
+           check("hardware_layer", "fail", f"per-rank batch {c.per_rank} does not fit: {rec['why']}",
+                 f"edit {c.args.config}: batch_size {rec['config_batch_size']}, grad_accumulation_steps "
+                 f"{rec['config_grad_accumulation_steps']}")]
+    out.append(parity_layer(c, "worker_layer", ("ssh", "runtime", "link"), pc))
+    unsure = p.get("error") or p.get("stale")
+    out.append(check("health_check", "fail" if p.get("code") in (2, 3) else "unknown" if unsure else "pass",
+                     unsure or f"check-parity {p['status']} (exit {p['code']})", pc))
+    out.append(parity_layer(c, "worker_consistency", ("code", "model", "dataset", "runtime"),
+                            f"{sc} (or make provision)"))
+    out.append(parity_layer(c, "checkpoint_layer", ("resources.disk",), f"free disk at REMOTE_ROOT; {pc}")
+               if any(x["name"] == "resources.disk" for x in p.get("checks", [])) else
                check("checkpoint_layer", "unknown", p.get("error", "check-parity reported no disk row"), pc))
-    problems = [f"{k} {c.cfg[k]} is not a multiple of grad_accumulation_steps" for k in ("save_every", "iters")
-                if c.cfg[k] % c.cfg["grad_accumulation_steps"]] + ([] if c.per_rank else [
-                    f"batch_size {c.cfg['batch_size']} is not divisible by {c.world} ranks"])
+    problems = [f"{k} {c.cfg[k]} is not a multiple of grad_accumulation_steps"
+                for k in ("save_every", "iters") if c.cfg[k] % c.cfg["grad_accumulation_steps"]]
+    problems += [] if c.per_rank else [f"batch_size {c.cfg['batch_size']} is not divisible by {c.world}"]
     out.append(check("gradient_layer", "fail" if problems else "pass", "; ".join(problems) or f"global batch "
-                     f"{c.global_batch} over {c.world} ranks ({c.per_rank} per rank per micro-step)", f"edit {c.args.config}"))
+                     f"{c.global_batch} over {c.world} ranks ({c.per_rank} per rank per micro-step)",
+                     f"edit {c.args.config}"))
     exp = cal.get("expected_speedup")
-    out.append(check("performance_layer", "unknown", c.cal_why or cal["unknown"].get("expected_speedup", "?"), cc)
-               if exp is None else check("performance_layer", "pass" if exp > c.min_speedup else "fail",
-                                         f"expected speedup {exp:.2f}x vs the required {c.min_speedup:g}x ({cal['file']})",
-                                         f"see RUNBOOK.md#{CATEGORIES[THUNDER]}; then {cc}"))
-    verified = {h["host"] for h in (c.sync or {}).get("hosts", []) if h.get("verified")}
-    out.append(check("pre_rdma_sync", "unknown", f"no sync for run {c.args.run} yet", c.cmd["sync"]) if not c.sync else
-               check("pre_rdma_sync", "pass" if c.sync.get("ok") and verified >= set(c.hf.unique_ssh()) else "fail",
-                     f"sync at {c.sync.get('ts')}: verified on {sorted(verified)}", c.cmd["sync"]))
+    out.append(check("performance_layer", "unknown", c.cal_why or cal["unknown"]["expected_speedup"], cc)
+               if exp is None else
+               check("performance_layer", "pass" if exp > c.min_speedup else "fail", f"expected speedup "
+                     f"{exp:.2f}x vs the required {c.min_speedup:g}x ({cal['file']})",
+                     f"see RUNBOOK.md#{CATEGORIES[THUNDER]}; then {cc}"))
+    verified = {h["host"] for h in c.sync.get("hosts", []) if h.get("verified")}
+    ok = c.sync.get("ok") and verified >= set(c.hf.unique_ssh())
+    out.append(check("pre_rdma_sync", "pass" if ok else "fail", f"sync at {c.sync.get('ts')}: verified on "
+                     f"{sorted(verified)}", sc) if c.sync else
+               check("pre_rdma_sync", "unknown", f"no sync for run {c.args.run} yet", sc))
     return sorted(out, key=lambda x: LAYERS.index(x["name"]))
 
 
@@ -346,17 +341,23 @@ def build_plan(args) -> dict:
     c = gather(args)
     checks = preflight(c)
     statuses = {x["status"] for x in checks}
-    plan = {"version": VERSION, "generated": {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                              "tool": "bin/plan.py", "git": launch.git_info(), "command": c.cmd["plan"]},
+    overall = next(s for s in ("fail", "unknown", "pass") if s in statuses or s == "pass")
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    plan = {"version": VERSION,
+            "generated": {"created": created, "tool": "bin/plan.py", "git": launch.git_info(),
+                          "command": c.cmd["plan"]},
             "sources": {"hostfile": {"path": args.hostfile, "sha256": sha256_file(args.hostfile)},
-                        "config": {"path": args.config, "sha256": sha256_file(args.config)}, "model_sha256": c.model_sha,
-                        "parity": {k: c.parity[k] for k in ("file", "status", "ts")} if "error" not in c.parity
-                        else unknown(c.parity["error"]),
-                        "calibration": {"file": c.cal["file"], "created": c.cal.get("created")} if c.cal else unknown(c.cal_why)},
+                        "config": {"path": args.config, "sha256": sha256_file(args.config)},
+                        "model_sha256": c.model_sha,
+                        "parity": unknown(c.parity["error"]) if "error" in c.parity else
+                        {k: c.parity[k] for k in ("file", "status", "ts")},
+                        "calibration": {"file": c.cal["file"], "created": c.cal.get("created")} if c.cal
+                        else unknown(c.cal_why)},
             "unknowns": [], **model_sections(c), **launch_sections(c), **host_sections(c),
-            "pre_flight_checklist": {"checks": checks, "block_on_failure": True, "validation_layers": [
-                re.sub("_layer$", "", n) for n in LAYERS], "overall_status": next(
-                s for s in ("fail", "unknown", "pass") if s in statuses or s == "pass")}}
+            "pre_flight_checklist": {
+                "checks": checks, "block_on_failure": True,
+                "validation_layers": [n.removesuffix("_layer") for n in LAYERS],
+                "overall_status": overall}}
     plan["unknowns"] = unknowns_in({k: plan[k] for k in SECTIONS})
     return plan
 
@@ -376,9 +377,11 @@ def main() -> int:
               fix=json.dumps(x["fix_command"]) if x["fix_command"] else "-")
     for u in plan["unknowns"]:
         event("plan-unknown", field=u["field"], reason=json.dumps(u["reason"]))
-    event("plan", file=paths.rel(path), overall_status=pf["overall_status"], world_size=plan["strategy"]["total_gpus"],
+    event("plan", file=paths.rel(path), overall_status=pf["overall_status"],
+          world_size=plan["strategy"]["total_gpus"],
           per_gpu_batch_size=json.dumps(plan["batch_configuration"]["per_gpu_batch_size"]),
-          expected_speedup=json.dumps(plan["performance_targets"]["expected_speedup"]), unknowns=len(plan["unknowns"]))
+          expected_speedup=json.dumps(plan["performance_targets"]["expected_speedup"]),
+          unknowns=len(plan["unknowns"]))
     if args.strict and pf["overall_status"] != "pass":
         return die(RunbookError(f"pre-flight {pf['overall_status']}: see the plan-check lines", ANCHOR), 1)
     return 0
