@@ -2,14 +2,14 @@
 """status: where a train/control run stands, from Mac1, while it runs and after; never touches it.
 
 Usage:
-    python bin/status.py --run RUN --remote-root DIR --python PY [--json] [--silent-s S]
+    python bin/status.py --run RUN --remote-root DIR --python PY [--json]
 
 Example (`make status RUN=stage1 JSON=1`, e.g. from cron):
     python bin/status.py --run stage1 --remote-root "$PWD" --python "$PWD/.venv/bin/python" --json
 
 One ssh call to rank 0's host (BatchMode, 5 s) reads metrics, failure files and the latest checkpoint;
 per-rank steps and tok/s come from this Mac's launch log, the verdict from runs/<RUN>/<stage>.json.
-Exit 0 OK, 1 WARNING (a rank silent for --silent-s), 2 CRITICAL (failed), 3 UNKNOWN (rank 0's host
+Exit 0 OK, 1 WARNING (a rank silent for 600 s), 2 CRITICAL (failed), 3 UNKNOWN (rank 0's host
 unreachable while running). See RUNBOOK.md#status.
 """
 
@@ -31,6 +31,7 @@ from lib.launch import read_json  # noqa: E402
 from lib.remote import run_on  # noqa: E402
 
 STATUS = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "UNKNOWN"}
+SILENT_S = 600.0  # a running rank silent this long is a WARNING
 VERDICT_KEYS = ("ok", "category", "why", "final_step", "test_loss", "attempts", "fallback", "best_adapter")
 RANK_LINE = re.compile(r"^(\S+Z) .*?iter (\d+) rank (\d+) .*?tokens (\d+) step_s (\S+)")
 # Runs on rank 0's host (or on this Mac's copy) with the run folder as argv[1]: one JSON object.
@@ -56,7 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--run", "--remote-root", "--python"):
         p.add_argument(flag, required=True)
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    p.add_argument("--silent-s", type=float, default=600.0, help="a running rank silent this long: WARNING")
     return p
 
 
@@ -100,13 +100,13 @@ def gather(args) -> tuple[dict, int]:
     ranks = ranks_from_log(run_dir / "logs" / f"launch-{stage}.log", time.time())
     step, step_s = train[-1]["step"] if train else None, ranks.get("0", {}).get("step_s")
     verdict = {} if running else read_json(run_dir / f"{stage}.json")
-    silent = [r for r, v in ranks.items() if v["since_s"] > args.silent_s]
+    silent = [r for r, v in ranks.items() if v["since_s"] > SILENT_S]
     code, why = next((c, w) for bad, c, w in (
         (not man, 3, f"no runs/{args.run}/manifest.json on this Mac"),
         (running and src["failures"] or not running and not verdict.get("ok"), 2,
          f"{stage} failed: {verdict.get('category') or 'a rank wrote a failure file'}"),
         (running and remote is None, 3, "rank 0's host did not answer within 5 s"),
-        (running and silent, 1, f"rank(s) {', '.join(silent)} silent for over {args.silent_s:g} s"),
+        (running and silent, 1, f"rank(s) {', '.join(silent)} silent for over {SILENT_S:g} s"),
         (True, 0, f"step {step}/{iters}" if running else "finished")) if bad)
     eta = round((iters - step) * step_s, 1) if running and step is not None and step_s else None
     return {"run": args.run, "stage": stage, "running": running, "reachable": remote is not None,

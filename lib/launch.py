@@ -177,8 +177,7 @@ class Watch:
     `step` line with ETA, not the per-rank lines); a new step or a progress line is progress."""
 
     def __init__(self, res: LaunchResult, total: int | None = None):
-        self.res, self.lock, self.total = res, threading.Lock(), total
-        self.last, self.last_step, self.step_t = time.monotonic(), None, None
+        self.res, self.lock, self.total, self.last, self.step_t = res, threading.Lock(), total, time.monotonic(), 0.0
 
     def read(self, stream, log_path: Path) -> None:
         with open(log_path, "ab") as log:
@@ -189,16 +188,16 @@ class Watch:
                     print(out, flush=True)
 
     def saw(self, text: str, now: float) -> str | None:
-        m = STEP_RE.search(text)
+        m, steps = STEP_RE.search(text), self.res.steps
         with self.lock:
             self.res.done = self.res.done or bool(DONE_RE.search(text))
             if PROGRESS_RE.search(text):
                 self.last = now
-            if m and (self.last_step is None or int(m[1]) > self.last_step):
-                if self.last_step is not None:
-                    self.res.step_times.append((now - self.step_t) / (int(m[1]) - self.last_step))
-                self.last_step, self.step_t, self.last = int(m[1]), now, now
-                self.res.steps.append(self.last_step)
+            if m and (not steps or int(m[1]) > steps[-1]):
+                if steps:
+                    self.res.step_times.append((now - self.step_t) / (int(m[1]) - steps[-1]))
+                steps.append(int(m[1]))
+                self.step_t = self.last = now
             if RANK_STEP_RE.search(text):
                 return None
             if not (r := REPORT_RE.search(text)):
