@@ -87,14 +87,15 @@ def dataset_sha256(dataset: str) -> str:
 
 def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, extra: dict) -> dict:
     """runs/<RUN>/manifest.json: what this run is made of, written before any rank starts."""
-    stages = {**read_json(run_dir / "manifest.json").get("stages", {}), stage: {"started": time.strftime(NOW)}}
+    stages = read_json(run_dir / "manifest.json").get("stages", {})
+    stages[stage] = {"started": time.strftime(NOW)}
     ds, model = variables["DATASET"], variables["MODEL"]
     dman = read_json(paths.DATASETS / ds / "manifest.json")
     man = {"run": variables["RUN"], "git": git_info(), "lock_sha256": sha256_file(paths.ROOT / "requirements.lock"),
-           "hostfile": hf.to_json(), "hostfile_path": variables["HOSTFILE"], "dataset": ds,
-           "dataset_sha256": dataset_sha256(ds), "corpus": dman.get("sources"),
-           "corpus_sha256": dman.get("corpus_sha256"), "export_settings": dman.get("settings"), "model": model,
-           "model_sha256": model_hash(model), "variables": variables, "stages": stages, **extra}
+           "hostfile": hf.to_json(), "hostfile_path": variables["HOSTFILE"], "dataset": ds, "model": model,
+           "dataset_sha256": dataset_sha256(ds), "model_sha256": model_hash(model), "corpus": dman.get("sources"),
+           "corpus_sha256": dman.get("corpus_sha256"), "export_settings": dman.get("settings"),
+           "variables": variables, "stages": stages, **extra}
     atomic.write_json(run_dir / "manifest.json", man)
     return man
 
@@ -117,14 +118,12 @@ def export_section(dataset: str) -> list[str]:
     head += [f"# corpus file {shown[f['path']]} sha256 {f.get('sha256', 'not recorded')}" for f in files]
     head += [f"# corpus_sha256 {man.get('corpus_sha256', 'not recorded')}; "
              f"dataset_sha256 {man.get('dataset_sha256', 'not recorded')}"]
-    flags = []
-    for k, v in (man.get("settings") or {}).items():  # bin/export.py's DEFAULTS: each has a flag
-        if k == "ratios":
-            flags.append("--ratios=" + ",".join(str(v[s]) for s in ("train", "valid", "test")))
-        elif isinstance(v, dict):  # fields, roles: --field=K=V, --role=K=V
-            flags += [f"--{k[:-1]}={a}={b}" for a, b in v.items()]
-        else:
-            flags.append(f"--{k.replace('_', '-')}={v}")
+    s = man.get("settings") or {}
+    flags = [f"--ratios={','.join(str(s['ratios'][k]) for k in ('train', 'valid', 'test'))}"] if "ratios" in s else []
+    flags += [f"--field={k}={v}" for k, v in (s.get("fields") or {}).items()]
+    flags += [f"--role={k}={v}" for k, v in (s.get("roles") or {}).items()]
+    flags += [f"--{k.replace('_', '-')}={s[k]}" for k in ("max_reject_ratio", "max_chars", "text_system_prompt",
+                                                          "text_user_prompt") if k in s]
     return head + [shlex.join(["make", "export", "CORPUS=" + " ".join(f["path"] for f in files), f"DATASET={dataset}",
                                "EXPORT_ARGS=" + shlex.join(flags)])]
 
@@ -177,7 +176,8 @@ class Watch:
     `step` line with ETA, not the per-rank lines); a new step or a progress line is progress."""
 
     def __init__(self, res: LaunchResult, total: int | None = None):
-        self.res, self.lock, self.total, self.last, self.step_t = res, threading.Lock(), total, time.monotonic(), 0.0
+        self.res, self.lock, self.total = res, threading.Lock(), total
+        self.last, self.step_t = time.monotonic(), 0.0
 
     def read(self, stream, log_path: Path) -> None:
         with open(log_path, "ab") as log:
@@ -204,16 +204,17 @@ class Watch:
                 return text.rstrip("\n")
             left = (self.total - int(r["step"])) * statistics.median(self.res.step_times or [0.0]) if self.total else None
             eta = time.strftime('%H:%M:%S', time.gmtime(left)) if left is not None else "?"
-            return (f"step {r['step']}/{self.total or '?'} loss {r['loss']} tok/s {float(r['tps']):.0f} eta {eta} "
-                    f"peak_mem_gb {r['mem']}")
+            return (f"step {r['step']}/{self.total or '?'} loss {r['loss']} tok/s {float(r['tps']):.0f} "
+                    f"eta {eta} peak_mem_gb {r['mem']}")
 
 
-def run_watched(argv: list[str], log_path: Path, window_s: float | None, total: int | None = None) -> LaunchResult:
+def run_watched(argv: list[str], log_path: Path, window_s: float | None, total: int | None = None):
     """Run the launch, tee it, stop it after window_s (None: max(10 x median step, 300)) without progress."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     watch = Watch(res := LaunchResult(returncode=-1, wall_s=0), total)
-    t0, proc = time.monotonic(), subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                  stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     reader = threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)
     reader.start()
     while proc.poll() is None:
