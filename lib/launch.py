@@ -93,9 +93,9 @@ def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, ext
     dman = read_json(paths.DATASETS / ds / "manifest.json")
     man = {"run": variables["RUN"], "git": git_info(), "lock_sha256": sha256_file(paths.ROOT / "requirements.lock"),
            "hostfile": hf.to_json(), "hostfile_path": variables["HOSTFILE"], "dataset": ds, "model": model,
-           "dataset_sha256": dataset_sha256(ds), "model_sha256": model_hash(model), "corpus": dman.get("sources"),
-           "corpus_sha256": dman.get("corpus_sha256"), "export_settings": dman.get("settings"),
-           "variables": variables, "stages": stages, **extra}
+           "dataset_sha256": dataset_sha256(ds), "model_sha256": model_hash(model), "variables": variables,
+           "corpus": dman.get("sources"), "corpus_sha256": dman.get("corpus_sha256"),
+           "export_settings": dman.get("settings"), "stages": stages, **extra}
     atomic.write_json(run_dir / "manifest.json", man)
     return man
 
