@@ -101,7 +101,7 @@ def gather(args) -> tuple[dict, int]:
     step, step_s = train[-1]["step"] if train else None, ranks.get("0", {}).get("step_s")
     verdict = {} if running else read_json(run_dir / f"{stage}.json")
     silent = [r for r, v in ranks.items() if v["since_s"] > SILENT_S]
-    code, why = next((c, w) for bad, c, w in (
+    code, why = next((c, w) for bad, c, w in (  # the first row that holds
         (not man, 3, f"no runs/{args.run}/manifest.json on this Mac"),
         (running and src["failures"] or not running and not verdict.get("ok"), 2,
          f"{stage} failed: {verdict.get('category') or 'a rank wrote a failure file'}"),

@@ -1,7 +1,7 @@
 """Launch the trainer on every rank, watch it, bring its artifacts home, name the failure.
 
-Used by bin/smoke.py and bin/run.py; compare, plan and calibrate use the provenance helpers. The
-launch is mlx.launch with the hostfile (an argument list, never a shell string), or the trainer
+Used by bin/smoke.py and bin/run.py; compare, plan, calibrate and status use its provenance helpers.
+The launch is mlx.launch with the hostfile (an argument list, never a shell string), or the trainer
 itself for one host (mlx 0.32.4 hands a lone rank an empty MLX_HOSTFILE). A new `iter N` step or a
 `progress` line is progress; none for the watchdog window stops every rank as "hang / link
 partition". Then every host is swept for leftover rank processes and the run folder is fetched.
