@@ -2,17 +2,15 @@
 """status: where a train/control run stands, from Mac1, while it runs and after; never touches it.
 
 Usage:
-    python bin/status.py --run RUN --remote-root DIR --python PY [--json] [--silent-s S]
+    python bin/status.py --run RUN --remote-root DIR --python PY [--json]
 
 Example (`make status RUN=stage1 JSON=1`, e.g. from cron):
     python bin/status.py --run stage1 --remote-root "$PWD" --python "$PWD/.venv/bin/python" --json
 
-One ssh call to rank 0's host (the manifest's hostfile; BatchMode, timeouts) runs a small script:
-the tail of metrics.jsonl, logs/rank-R.failure.json, checkpoints/latest. Per-rank last-step
-times and tok/s come from this Mac's timestamped launch log (mlx.launch forwards every rank's
-`iter N rank R` line); the verdict from runs/<RUN>/<stage>.json once the stage has ended.
-Text starts `STATUS OK - ...`. Exit 0 OK, 1 WARNING (a rank silent for --silent-s), 2 CRITICAL
-(failed), 3 UNKNOWN (rank 0's host unreachable and no local copy).
+One ssh call to rank 0's host (BatchMode, 5 s) reads metrics, failure files and the latest checkpoint;
+per-rank steps and tok/s come from this Mac's launch log, the verdict from runs/<RUN>/<stage>.json.
+Exit 0 OK, 1 WARNING (a rank silent for 600 s), 2 CRITICAL (failed), 3 UNKNOWN (rank 0's host
+unreachable while running). See RUNBOOK.md#status.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ import calendar
 import json
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,28 +27,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import paths  # noqa: E402
+from lib.launch import read_json  # noqa: E402
 from lib.remote import run_on  # noqa: E402
 
 STATUS = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "UNKNOWN"}
+SILENT_S = 600.0  # a running rank silent this long is a WARNING
+VERDICT_KEYS = ("ok", "category", "why", "final_step", "test_loss", "attempts", "fallback", "best_adapter")
 RANK_LINE = re.compile(r"^(\S+Z) .*?iter (\d+) rank (\d+) .*?tokens (\d+) step_s (\S+)")
-# Runs on rank 0's host with the run folder as argv[1]: one JSON object on stdout.
+# Runs on rank 0's host (or on this Mac's copy) with the run folder as argv[1]: one JSON object.
 PROBE = r"""
 import json, sys
 from pathlib import Path
-d = Path(sys.argv[1]); out = {"exists": d.is_dir(), "metrics": [], "failures": {}, "latest": None}
-m = d / "metrics.jsonl"
-for line in (m.read_bytes()[-65536:].decode(errors="replace") if m.is_file() else "").splitlines():
-    try: out["metrics"].append(json.loads(line))
-    except ValueError: pass
-def load(p):
-    try: return json.loads(p.read_text())
-    except (OSError, ValueError): return {}
-lid = load(d / "logs" / "rank-0.joined.json").get("launch_id")
-for p in sorted((d / "logs").glob("rank-*.failure.json")):
-    if (f := load(p)).get("launch_id") == lid: out["failures"][p.name.split(".")[0]] = f
-lp = d / "checkpoints" / "latest"
-out["latest"] = lp.read_text().strip() if lp.is_file() else None
-print(json.dumps(out))
+def load(text):
+    try: return json.loads(text)
+    except ValueError: return {}
+def tail(p):
+    return p.read_bytes()[-65536:].decode(errors="replace") if p.is_file() else ""
+d = Path(sys.argv[1])
+lid = load(tail(d / "logs" / "rank-0.joined.json")).get("launch_id")
+fails = {p.name.split(".")[0]: load(tail(p)) for p in sorted((d / "logs").glob("rank-*.failure.json"))}
+print(json.dumps({"metrics": [m for m in map(load, tail(d / "metrics.jsonl").splitlines()) if m],
+                  "failures": {n: f for n, f in fails.items() if f.get("launch_id") == lid},
+                  "latest": tail(d / "checkpoints" / "latest").strip() or None}))
 """
 
 
@@ -60,17 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--run", "--remote-root", "--python"):
         p.add_argument(flag, required=True)
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    p.add_argument("--silent-s", type=float, default=600.0, help="a running rank silent this long is a WARNING")
     return p
 
 
-def probe(man: dict, args, run_rel: str) -> dict | None:
-    """Rank 0's view of the run folder over ssh (None: unreachable or no answer within 5 s)."""
-    hosts = (man.get("fallback") or {}).get("hosts") or [h["ssh"] for h in (man.get("hostfile") or {}).get("hosts", [])]
-    r = hosts and run_on(hosts[0], ["sh", "-c", 'cd "$1" && exec "$2" - "$3"', "sh", args.remote_root, args.python, run_rel],
-               timeout=5, input=PROBE)
+def probe(host: str, root: str, python: str, run_rel: str, local: bool | None = None) -> dict | None:
+    """PROBE's answer from host (None: unreachable or no answer within 5 s)."""
+    r = run_on(host, ["sh", "-c", 'cd "$1" && exec "$2" - "$3"', "sh", root, python, run_rel], 5, local,
+               input=PROBE)
     try:
-        return json.loads(r.stdout) if r and r.ok else None
+        return json.loads(r.stdout) if r.ok else None
     except ValueError:
         return None
 
@@ -91,42 +86,35 @@ def ranks_from_log(log: Path, now: float) -> dict:
 
 
 def gather(args) -> tuple[dict, int]:
-    run_dir, run_rel, now = paths.RUNS / args.run, f"runs/{args.run}", time.time()
-    read = lambda p: json.loads(p.read_text()) if p.is_file() else {}  # noqa: E731 (written atomically)
-    man = read(run_dir / "manifest.json")
-    stage = man.get("stage") or "train"
+    run_dir, run_rel = paths.RUNS / args.run, f"runs/{args.run}"
+    man = read_json(run_dir / "manifest.json")
+    stage, iters = man.get("stage") or "train", man.get("iters")
     running = "ended" not in (man.get("stages") or {}).get(stage, {"ended": None})
-    remote = probe(man, args, run_rel)  # else this Mac's copy (complete once the stage has ended)
-    src = remote or json.loads(subprocess.run([sys.executable, "-", run_rel], input=PROBE, capture_output=True,
-                                              text=True, cwd=paths.ROOT).stdout)
-    mets = src["metrics"]
-    train = [m for m in mets if m.get("kind") == "train"]
-    val = next((m for m in reversed(mets) if m.get("kind") == "val"), None)
-    ranks = ranks_from_log(run_dir / "logs" / f"launch-{stage}.log", now)
-    iters = man.get("iters") or (next((m for m in reversed(mets) if m.get("kind") == "done"), {}).get("step"))
-    step = train[-1]["step"] if train else None
-    step_s = ranks.get("0", {}).get("step_s")
-    verdict = None if running else read(run_dir / f"{stage}.json")
-    st = {"run": args.run, "stage": stage, "running": running, "reachable": remote is not None, "step": step, "iters": iters,
-          "eta_s": round((iters - step) * step_s, 1) if running and iters and step is not None and step_s else None,
-          "train_loss": train[-1]["loss"] if train else None, "loss_trend": [round(m["loss"], 5) for m in train[-5:]],
-          "last_val": {"step": val["step"], "loss": val["loss"]} if val else None, "ranks": ranks,
-          "latest_checkpoint": src.get("latest"), "failures": src.get("failures") or {},
-          "verdict": {k: verdict.get(k) for k in ("ok", "category", "why", "final_step", "test_loss", "attempts",
-                                                  "fallback", "best_adapter")} if verdict else None}
-    silent = [r for r, v in ranks.items() if v["since_s"] > args.silent_s]
-    if not man:
-        code, why = 3, f"no runs/{args.run}/manifest.json on this Mac"
-    elif (not running and not (verdict or {}).get("ok")) or (running and st["failures"]):
-        code, why = 2, f"{stage} failed: {(verdict or {}).get('category') or 'a rank wrote a failure file'}"
-    elif running and remote is None:
-        code, why = 3, "rank 0's host did not answer within 5 s"
-    elif running and silent:
-        code, why = 1, f"rank(s) {', '.join(silent)} silent for over {args.silent_s:g} s"
-    else:
-        code, why = 0, "finished" if not running else f"step {step}/{iters}"
-    st.update(status=STATUS[code], why=why)
-    return st, code
+    hosts = [h["ssh"] for h in (man.get("hostfile") or {}).get("hosts", [])]
+    hosts = (man.get("fallback") or {}).get("hosts") or hosts  # after a fallback, rank 0 may be another host
+    remote = probe(hosts[0], args.remote_root, args.python, run_rel) if hosts else None
+    # else this Mac's copy (complete once the stage has ended and its folder was fetched)
+    src = remote or probe("127.0.0.1", str(paths.ROOT), sys.executable, run_rel, local=True)
+    train = [m for m in src["metrics"] if m.get("kind") == "train"]
+    val = next((m for m in reversed(src["metrics"]) if m.get("kind") == "val"), None)
+    ranks = ranks_from_log(run_dir / "logs" / f"launch-{stage}.log", time.time())
+    step, step_s = train[-1]["step"] if train else None, ranks.get("0", {}).get("step_s")
+    verdict = {} if running else read_json(run_dir / f"{stage}.json")
+    silent = [r for r, v in ranks.items() if v["since_s"] > SILENT_S]
+    code, why = next((c, w) for bad, c, w in (  # the first row that holds
+        (not man, 3, f"no runs/{args.run}/manifest.json on this Mac"),
+        (running and src["failures"] or not running and not verdict.get("ok"), 2,
+         f"{stage} failed: {verdict.get('category') or 'a rank wrote a failure file'}"),
+        (running and remote is None, 3, "rank 0's host did not answer within 5 s"),
+        (running and silent, 1, f"rank(s) {', '.join(silent)} silent for over {SILENT_S:g} s"),
+        (True, 0, f"step {step}/{iters}" if running else "finished")) if bad)
+    eta = round((iters - step) * step_s, 1) if running and step is not None and step_s else None
+    return {"run": args.run, "stage": stage, "running": running, "reachable": remote is not None,
+            "step": step, "iters": iters, "eta_s": eta, "train_loss": train[-1]["loss"] if train else None,
+            "loss_trend": [round(m["loss"], 5) for m in train[-5:]], "ranks": ranks,
+            "last_val": {"step": val["step"], "loss": val["loss"]} if val else None,
+            "latest_checkpoint": src["latest"], "failures": src["failures"], "status": STATUS[code],
+            "why": why, "verdict": {k: verdict.get(k) for k in VERDICT_KEYS} if verdict else None}, code
 
 
 def main() -> int:
@@ -139,9 +127,10 @@ def main() -> int:
     eta = time.strftime("%H:%M:%S", time.gmtime(st["eta_s"])) if st["eta_s"] is not None else "-"
     print(f"STATUS {st['status']} - {st['why']} | {st['stage']} step {st['step']}/{st['iters']} eta {eta} loss "
           f"{st['train_loss']} trend {st['loss_trend']} val {st['last_val']} checkpoint {st['latest_checkpoint']}")
-    print("".join(f"rank {r}: step {v['last_step']}, {v['since_s']:.0f} s ago, {v['tok_per_s']} tok/s\n"
-                  for r, v in st["ranks"].items()) + "".join(f"{n}: {f.get('category')}: {f.get('message')}\n"
-                                                             for n, f in st["failures"].items()), end="")
+    for r, v in st["ranks"].items():
+        print(f"rank {r}: step {v['last_step']}, {v['since_s']:.0f} s ago, {v['tok_per_s']} tok/s")
+    for n, f in st["failures"].items():
+        print(f"{n}: {f.get('category')}: {f.get('message')}")
     if st["verdict"]:
         print(f"verdict: {'PASS' if st['verdict']['ok'] else 'FAIL'} {json.dumps(st['verdict'])}")
     return code

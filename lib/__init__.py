@@ -11,7 +11,7 @@
                                    check_parity, train)
     checkpoint                     crash-safe checkpoints and resume rules (train writes, smoke verifies)
     launch                         launch, watchdog, sweep, fetch, categorize, restarts (smoke, run);
-                                   run manifests, reproduce.sh and provenance (compare, plan, calibrate)
+                                   run manifests, reproduce.sh, provenance (compare, plan, calibrate, status)
     loss                           the chunked LoRA loss over the final hidden states (train; calibrate
                                    measures it through train's own step)
     parity, parity_probe           check-parity's checks and the probe it sends to every host

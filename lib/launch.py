@@ -1,11 +1,10 @@
 """Launch the trainer on every rank, watch it, bring its artifacts home, name the failure.
 
-Shared by bin/smoke.py and bin/run.py (train and control); compare, plan and calibrate use
-the provenance helpers. The launch is mlx.launch with the hostfile (an argument list, never a
-shell string), or the trainer started directly for one host (mlx 0.32.4 hands a lone rank an
-empty MLX_HOSTFILE). A watchdog reads the ranks' output: a new `iter N` step or a `progress`
-line is progress; none for the window stops every rank as "hang / link partition". Then every
-host is swept for leftover rank processes and the run folder is fetched back.
+Used by bin/smoke.py and bin/run.py; compare, plan, calibrate and status use its provenance helpers.
+The launch is mlx.launch with the hostfile (an argument list, never a shell string), or the trainer
+itself for one host (mlx 0.32.4 hands a lone rank an empty MLX_HOSTFILE). A new `iter N` step or a
+`progress` line is progress; none for the watchdog window stops every rank as "hang / link
+partition". Then every host is swept for leftover rank processes and the run folder is fetched.
 
     res, ev, argv = launch.launch_and_collect(args, hf, "runs/r1", targs, "launch-train.log")
     category, why = launch.categorize(res, ev, hf.size)
@@ -43,38 +42,20 @@ RANK_STEP_RE = re.compile(r"(?:^|\s)iter \d+ rank \d+ ")  # every step, every ra
 REPORT_RE = re.compile(r"iter (?P<step>\d+) train_loss (?P<loss>\S+) .*tok/s (?P<tps>\S+) peak_mem_gb (?P<mem>\S+)")
 DEFAULT_WATCHDOG_S = 300.0
 STAGE_ORDER = ("export", "sync", "smoke", "train", "control", "compare")
+NOW = "%Y-%m-%dT%H:%M:%S%z"
 
 
 def trainer_pattern(run_rel: str) -> str:
-    """The pkill -f pattern (POSIX ERE) of the rank processes writing to run_rel and nothing
-    else; run ids hold only [A-Za-z0-9._-], so '.' is the one character to escape."""
+    """pkill -f's pattern (POSIX ERE) for this run's ranks only; run ids hold [A-Za-z0-9._-]."""
     return r"bin/train\.py .*--run-dir " + run_rel.replace(".", r"\.") + r"( |$)"
 
 
 # ---- provenance: manifest.json and reproduce.sh ----------------------------------------
 def git_info() -> dict:
-    def git(*a):
-        p = subprocess.run(["git", *a], cwd=paths.ROOT, capture_output=True, text=True)
-        return p.stdout.strip() if p.returncode == 0 else ""
-
-    return {"commit": git("rev-parse", "HEAD") or "unknown",
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
-
-
-def model_hash(model: str) -> str:
-    """sha256 over the model folder's file hashes (cached by path, size and mtime: a real model
-    is gigabytes), or "hub:<id>" for a model that is not a local folder."""
-    full = Path(model) if Path(model).is_absolute() else paths.ROOT / model
-    if not full.is_dir():
-        return f"hub:{model}"
-    files = sorted(f.relative_to(full).as_posix() for f in full.rglob("*") if f.is_file() and not f.name.startswith("."))
-    key = digest_of({f: f"{(full / f).stat().st_size}:{(full / f).stat().st_mtime_ns}" for f in files})
-    cache = paths.ROOT / ".stamps" / "model-hashes.json"
-    known = json.loads(cache.read_text()) if cache.is_file() else {}
-    if known.get(str(full), {}).get("key") != key:
-        known[str(full)] = {"key": key, "sha256": digest_of(tree_hashes(full, files))}
-        atomic.write_json(cache, known)
-    return known[str(full)]["sha256"]
+    head, status = (subprocess.run(["git", *a], cwd=paths.ROOT, capture_output=True, text=True)
+                    for a in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"]))
+    return {"commit": head.returncode == 0 and head.stdout.strip() or "unknown",
+            "dirty": status.returncode == 0 and bool(status.stdout.strip())}
 
 
 def read_json(path: Path) -> dict:
@@ -85,6 +66,20 @@ def read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def model_hash(model: str) -> str:
+    """sha256 over a model folder's file hashes (cached by path, size, mtime), else "hub:<id>"."""
+    full = Path(model) if Path(model).is_absolute() else paths.ROOT / model
+    if not full.is_dir():
+        return f"hub:{model}"
+    files = sorted(f.relative_to(full).as_posix() for f in full.rglob("*") if f.is_file() and not f.name.startswith("."))
+    key = digest_of({f: f"{(full / f).stat().st_size}:{(full / f).stat().st_mtime_ns}" for f in files})
+    known = read_json(cache := paths.ROOT / ".stamps" / "model-hashes.json")
+    if known.get(str(full), {}).get("key") != key:
+        known[str(full)] = {"key": key, "sha256": digest_of(tree_hashes(full, files))}
+        atomic.write_json(cache, known)
+    return known[str(full)]["sha256"]
+
+
 def dataset_sha256(dataset: str) -> str:
     m = paths.DATASETS / dataset / "manifest.json"
     return read_json(m).get("dataset_sha256", "unknown") if m.is_file() else "missing"
@@ -93,15 +88,14 @@ def dataset_sha256(dataset: str) -> str:
 def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, extra: dict) -> dict:
     """runs/<RUN>/manifest.json: what this run is made of, written before any rank starts."""
     stages = read_json(run_dir / "manifest.json").get("stages", {})
-    stages[stage] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    dman = read_json(paths.DATASETS / variables["DATASET"] / "manifest.json")
+    stages[stage] = {"started": time.strftime(NOW)}
+    ds, model = variables["DATASET"], variables["MODEL"]
+    dman = read_json(paths.DATASETS / ds / "manifest.json")
     man = {"run": variables["RUN"], "git": git_info(), "lock_sha256": sha256_file(paths.ROOT / "requirements.lock"),
-           "hostfile": hf.to_json(), "hostfile_path": variables["HOSTFILE"], "dataset": variables["DATASET"],
-           "dataset_sha256": dataset_sha256(variables["DATASET"]),
+           "hostfile": hf.to_json(), "hostfile_path": variables["HOSTFILE"], "dataset": ds, "model": model,
+           "dataset_sha256": dataset_sha256(ds), "model_sha256": model_hash(model), "variables": variables,
            "corpus": dman.get("sources"), "corpus_sha256": dman.get("corpus_sha256"),
-           "export_settings": dman.get("settings"),
-           "model": variables["MODEL"], "model_sha256": model_hash(variables["MODEL"]), "variables": variables,
-           "stages": stages, **extra}
+           "export_settings": dman.get("settings"), "stages": stages, **extra}
     atomic.write_json(run_dir / "manifest.json", man)
     return man
 
@@ -109,13 +103,12 @@ def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, ext
 def finish_manifest(run_dir: Path, stage: str, summary: dict) -> None:
     man = read_json(run_dir / "manifest.json")
     man.setdefault("stages", {}).setdefault(stage, {}).update(
-        ended=time.strftime("%Y-%m-%dT%H:%M:%S%z"), ok=summary.get("ok"), category=summary.get("category"))
+        ended=time.strftime(NOW), ok=summary.get("ok"), category=summary.get("category"))
     atomic.write_json(run_dir / "manifest.json", man)
 
 
 def export_section(dataset: str) -> list[str]:
-    """reproduce.sh's first section: the `make export` that made datasets/<dataset>, from its
-    manifest (corpus files with their sha256, export settings as flags)."""
+    """reproduce.sh's first section: the `make export` of datasets/<dataset>, from its manifest."""
     man = read_json(paths.DATASETS / dataset / "manifest.json")
     files = [f for f in man.get("sources") or [] if isinstance(f, dict) and isinstance(f.get("path"), str)]
     head = ["# --- stage: export ---", f"# The dataset {dataset} this run used (datasets/{dataset}/manifest.json):"]
@@ -137,16 +130,14 @@ def export_section(dataset: str) -> list[str]:
 
 def write_reproduce(run_dir: Path, stage: str, make_cmd: list[str], launch_cmds: list[list[str]],
                     dataset: str | None = None) -> None:
-    """runs/<RUN>/reproduce.sh: the export of the run's dataset first, then each stage's make
-    invocation with every variable, and what it ran underneath."""
+    """runs/<RUN>/reproduce.sh: the dataset's export, then each stage's make line and what it ran."""
     path = run_dir / "reproduce.sh"
     old = path.read_text().split("\n# --- stage: ")[1:] if path.is_file() else []
     sections = {b.split(" ", 1)[0].strip(): "# --- stage: " + b.rstrip("\n") for b in old}
     sections[stage] = "\n".join([f"# --- stage: {stage} ---", "# The make invocation (re-runs the stage with every variable):",
                                  shlex.join(make_cmd), "# What it ran underneath (from the repo root on this orchestrator):"]
                                 + ["# " + shlex.join(c) for c in launch_cmds])
-    dataset = dataset or read_json(run_dir / "manifest.json").get("dataset")
-    if dataset:
+    if dataset := dataset or read_json(run_dir / "manifest.json").get("dataset"):
         sections["export"] = "\n".join(export_section(dataset))
     keys = sorted(sections, key=lambda k: (STAGE_ORDER.index(k) if k in STAGE_ORDER else len(STAGE_ORDER), k))
     atomic.write_text(path, "\n".join(["#!/usr/bin/env bash", "# Reproduce this run: copy a stage's make line, or run "
@@ -169,8 +160,7 @@ class LaunchResult:
 
 def launch_argv(hostfile_path: str, hf: Hostfile, python: str, remote_root: str, trainer_args: list[str],
                 port: int | None = None, script: str = "bin/train.py") -> list[str]:
-    """mlx.launch of `script` (the trainer; calibrate's probe) on every rank, or the script
-    directly for a lone host."""
+    """mlx.launch of `script` on every rank, or the script itself (over ssh if remote) for one host."""
     if hf.size == 1:
         cmd = ["sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", remote_root, python, script, *trainer_args]
         return cmd if is_local(hf.hosts[0].ssh) else ssh_argv(hf.hosts[0].ssh, cmd)
@@ -182,13 +172,12 @@ def launch_argv(hostfile_path: str, hf: Hostfile, python: str, remote_root: str,
 
 
 class Watch:
-    """Tees the launch's output to the log (each line timestamped) and the operator's terminal
-    (not the per-rank `iter N rank R` lines; rank 0's report becomes one `step` line with ETA);
-    a new step or a progress line is progress (step times feed the default window and the ETA)."""
+    """Tees the launch's output to the log (timestamped) and the terminal (rank 0's report as one
+    `step` line with ETA, not the per-rank lines); a new step or a progress line is progress."""
 
     def __init__(self, res: LaunchResult, total: int | None = None):
         self.res, self.lock, self.total = res, threading.Lock(), total
-        self.last, self.last_step, self.step_t = time.monotonic(), None, None
+        self.last, self.step_t = time.monotonic(), 0.0
 
     def read(self, stream, log_path: Path) -> None:
         with open(log_path, "ab") as log:
@@ -199,43 +188,40 @@ class Watch:
                     print(out, flush=True)
 
     def saw(self, text: str, now: float) -> str | None:
-        m = STEP_RE.search(text)
+        m, steps = STEP_RE.search(text), self.res.steps
         with self.lock:
             self.res.done = self.res.done or bool(DONE_RE.search(text))
             if PROGRESS_RE.search(text):
                 self.last = now
-            if m and (self.last_step is None or int(m[1]) > self.last_step):
-                if self.last_step is not None:
-                    self.res.step_times.append((now - self.step_t) / (int(m[1]) - self.last_step))
-                self.last_step, self.step_t, self.last = int(m[1]), now, now
-                self.res.steps.append(self.last_step)
+            if m and (not steps or int(m[1]) > steps[-1]):
+                if steps:
+                    self.res.step_times.append((now - self.step_t) / (int(m[1]) - steps[-1]))
+                steps.append(int(m[1]))
+                self.step_t = self.last = now
             if RANK_STEP_RE.search(text):
                 return None
             if not (r := REPORT_RE.search(text)):
                 return text.rstrip("\n")
             left = (self.total - int(r["step"])) * statistics.median(self.res.step_times or [0.0]) if self.total else None
-            return (f"step {r['step']}/{self.total or '?'} loss {r['loss']} tok/s {float(r['tps']):.0f} eta "
-                    f"{time.strftime('%H:%M:%S', time.gmtime(left)) if left is not None else '?'} peak_mem_gb {r['mem']}")
-
-    def idle(self, window_s: float | None) -> tuple[float, float]:
-        with self.lock:
-            return time.monotonic() - self.last, window_s or max(10 * statistics.median(self.res.step_times or [0]),
-                                                                 DEFAULT_WATCHDOG_S)
+            eta = time.strftime('%H:%M:%S', time.gmtime(left)) if left is not None else "?"
+            return (f"step {r['step']}/{self.total or '?'} loss {r['loss']} tok/s {float(r['tps']):.0f} "
+                    f"eta {eta} peak_mem_gb {r['mem']}")
 
 
-def run_watched(argv: list[str], log_path: Path, window_s: float | None, cwd: Path = paths.ROOT,
-                total: int | None = None) -> LaunchResult:
-    """Run the launch, tee its output, and stop it when no progress is seen for the watchdog
-    window (None: max(10 x median step, 300 s))."""
+def run_watched(argv: list[str], log_path: Path, window_s: float | None, total: int | None = None):
+    """Run the launch, tee it, stop it after window_s (None: max(10 x median step, 300)) without progress."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     watch = Watch(res := LaunchResult(returncode=-1, wall_s=0), total)
-    t0, proc = time.monotonic(), subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                  stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     reader = threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)
     reader.start()
     while proc.poll() is None:
         time.sleep(0.2)
-        idle, window = watch.idle(window_s)
+        with watch.lock:
+            idle = time.monotonic() - watch.last
+            window = window_s or max(10 * statistics.median(res.step_times or [0]), DEFAULT_WATCHDOG_S)
         if idle > window:
             res.watchdog_fired = True
             print(f"watchdog: no progress for {idle:.0f} s (window {window:.0f} s); stopping every rank", flush=True)
@@ -265,7 +251,7 @@ def sweep(hf: Hostfile, run_rel: str) -> dict[str, str]:
 
 
 def fetch(hf: Hostfile, run_rel: str, remote_root: str) -> dict[str, str]:
-    """Bring run_rel (runs/<RUN>[/smoke]) home: everything from rank 0's host, logs from the others."""
+    """Bring run_rel home: everything from rank 0's host, the logs from the others."""
     out, local_dir = {}, paths.ROOT / run_rel
     local_dir.mkdir(parents=True, exist_ok=True)
     if Path(remote_root) == paths.ROOT and all(is_local(h.ssh) for h in hf.hosts):
@@ -281,7 +267,7 @@ def fetch(hf: Hostfile, run_rel: str, remote_root: str) -> dict[str, str]:
 
 # ---- what happened -------------------------------------------------------------------------
 def rank_events(run_dir: Path, launch_id: str) -> dict:
-    """logs/rank-R.joined.json and logs/rank-R.failure.json carrying this launch_id (older are stale)."""
+    """logs/rank-R.{joined,failure}.json of this launch_id (older ones are stale)."""
     out = {"joined": {}, "failures": {}}
     for kind, key in (("joined", "joined"), ("failure", "failures")):
         for f in sorted((run_dir / "logs").glob(f"rank-*.{kind}.json")):
@@ -291,9 +277,8 @@ def rank_events(run_dir: Path, launch_id: str) -> dict:
 
 
 def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str]:
-    """(category, why) for a failed launch; (None, "") when it succeeded. mlx.launch's exit code
-    alone is not trusted (0.32.4 can exit 0 when a rank never started): success needs every
-    rank joined, no failure file, and the trainer's own `done` line."""
+    """(category, why) of a failed launch, (None, "") of a good one: every rank joined, no failure file
+    and the trainer's `done` line (mlx.launch 0.32.4 can exit 0 when a rank never started)."""
     if res.watchdog_fired:
         return HANG, f"no progress for the watchdog window (last progress at {res.last_progress_s:.0f} s)"
     for r, f in sorted(ev["failures"].items()):
@@ -314,7 +299,7 @@ def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str
 
 
 def oom_line(log_path: Path, offset: int = 0) -> str | None:
-    """The first out-of-memory message in this launch's part of the launch log, if any."""
+    """The first out-of-memory message after `offset` in the launch log, if any."""
     try:
         with open(log_path, "rb") as f:
             f.seek(offset)
@@ -324,8 +309,7 @@ def oom_line(log_path: Path, offset: int = 0) -> str | None:
 
 
 def oom_ladder(cfg: dict, argv: list[str], world: int) -> list[str]:
-    """The fallback ladder (per-rank batch 1 with gradient accumulation keeping the global
-    batch; then half max_seq_length) as launch commands ready to paste, each in its own run folder."""
+    """lib.config's fallback ladder as launch commands to paste, each in its own run folder."""
     cut = argv.index("bin/train.py") + 1 if "bin/train.py" in argv else len(argv)
     lines = []
     for n, (what, rung) in enumerate(fallback_ladder(cfg, argv[cut:], world), 1):
@@ -345,18 +329,16 @@ def metrics(run_dir: Path) -> list[dict]:
 
 # ---- what the launching stages share ----------------------------------------------------------
 def add_common_args(p) -> None:
-    """The make variables every launching stage takes, as flags."""
     for flag in ("--run", "--hostfile", "--config", "--model", "--dataset", "--remote-root", "--python"):
-        p.add_argument(flag, required=True, help={"--run": "run id: runs/<RUN>/", "--python": "interpreter path on the hosts"}.get(flag))
+        p.add_argument(flag, required=True)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--watchdog", type=float, default=None, help="seconds without progress before every rank is "
-                   "stopped (default: the config's watchdog_s, else max(10 x median step time, 300))")
+    p.add_argument("--watchdog", type=float, default=None, help="seconds without progress before every rank "
+                   "is stopped (default: the config's watchdog_s, else max(10 x median step time, 300))")
     p.add_argument("--port", type=int, default=None, help="first ring port (mlx.launch --starting-port)")
 
 
 def load_inputs(args):
-    """The run id, hostfile and config a launching stage was given, checked; the config's
-    watchdog_s applies when --watchdog was not. Returns (hostfile, config)."""
+    """(hostfile, config) of a launching stage, checked; the config's watchdog_s unless --watchdog."""
     paths.check_run_id(args.run)
     hf, cfg = load_hostfile(args.hostfile), load_config(args.config)
     if args.watchdog is None and cfg.get("watchdog_s"):
@@ -406,12 +388,10 @@ def summarize(res: LaunchResult, category: str | None, why: str, extra: dict) ->
 
 
 def conclude(run_dir: Path, stage: str, summary: dict, cfg: dict, argv: list[str], world: int) -> int:
-    """The end of a launching stage: <stage>.json, the manifest, the category and (out of
-    memory) the fallback ladder on stderr, the PASS/FAIL line. Returns the exit code."""
-    # The trainer's warnings (e.g. what "no-improvement": the final validation loss is not below
-    # step 0's) go into the summary and, once more, onto Mac1's terminal just above PASS/FAIL.
+    """The end of a launching stage: <stage>.json, the manifest, the trainer's warnings, the category
+    and (out of memory) the fallback ladder on stderr, the PASS/FAIL line. Returns the exit code."""
     summary["warnings"] = [m for m in metrics(run_dir) if isinstance(m, dict) and m.get("kind") == "warning"]
-    for w in summary["warnings"]:
+    for w in summary["warnings"]:  # e.g. no-improvement: shown once more just above PASS/FAIL
         event("warning", stage=stage, what=w.get("what"), message=json.dumps(w.get("message")))
     atomic.write_json(run_dir / f"{stage}.json", summary)
     finish_manifest(run_dir, stage, summary)
