@@ -42,7 +42,8 @@ from lib.hostfile import check_path, is_local  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 from lib.remote import CONTROL_ENV, close_masters, rsh, run_on  # noqa: E402
 
-CODE = ["bin", "lib", "configs", "Makefile", "requirements.lock"]
+CODE_DIRS = ["bin", "lib", "configs"]  # a host's code files that this checkout lacks are deleted (PROBE_SH lists them)
+CODE = [*CODE_DIRS, "Makefile", "requirements.lock"]
 SWAP_TIMEOUT, LONG_TIMEOUT, RSYNC_IO_TIMEOUT = 60, 3600, 300  # s; LONG: a probe (it hashes GBs) or an rsync
 MODEL_LOCK = threading.Lock()
 HOME_RE = re.compile(r"^/(root|var/root|home/[^/]+|Users/[^/]+)/?$")
@@ -53,12 +54,13 @@ SENT_RE = re.compile(r"^Total (?:bytes )?sent: ([\d.,']+) ?(?:([KMGTPE]?)(i?)B?)
 CHANGE_RE = re.compile(r"^[<>ch.*][fdLDS*]")  # --itemize-changes lines (`*deleting` included)
 # Only options rsync 3.x, 2.6.9 and openrsync share. Not --info, --mkpath, -s, --append-verify (not in
 # 2.6.9 nor openrsync), --delete-delay (2.6.9), --delete-excluded (3.x hangs on it against openrsync),
-# --max-delete (2.6.9: 0 = no limit, over it only warns): the swap alone deletes, what the probe listed.
+# -R (openrsync sending to 3.x: --delete skips subfolders), --max-delete (2.6.9: 0 = no limit, over it
+# only warns): sync_host bounds what the probe listed; the swap and the code's --delete delete it.
 
 # The probe, also the check after a transfer: $1 root; $2 rw (create root/datasets and root/$3,
 # remove a killed sync's staging folder beside $4) or ro (change nothing); $4 the dataset folder to
 # list (or -); then files to hash (as ./path: never an option), `--exists`, files only to look for.
-# Every value is a positional argument of the constant script. It hashes with the fastest sha256
+# It lists the code files in CODE_DIRS too, skipping what the code's rsync excludes. Every value is a positional argument of the constant script. It hashes with the fastest sha256
 # the host has, proven on empty input first: `openssl dgst` (the CPU's SHA instructions, 3x
 # coreutils' sha256sum here), then sha256sum, then macOS's shasum.
 PROBE_SH = r"""
@@ -72,6 +74,8 @@ h=; for c in "openssl dgst -sha256 -r" sha256sum "shasum -a 256"; do
 done
 if [ -z "$h" ]; then echo "no working sha256 tool (openssl, sha256sum or shasum) on this host" >&2; exit 3; fi
 if [ "$list" != - ] && [ -d "$list" ]; then ls -A -- "$list" | sed 's/^/LIVE /'; fi
+find bin lib configs \( -name '.*' -o -name __pycache__ -o -name '*.pyc' \) -prune -o ! -type d -print 2>/dev/null |
+  sed 's/^/CODE /'
 if [ "$mode" = rw ] && [ "$list" != - ]; then rm -rf -- "${list%/*}/.${list##*/}.incoming"; fi
 exists=; for f; do
   shift
@@ -100,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-model", action="store_true", help="sync the model even if present")
     p.add_argument("--dry-run", action="store_true", help="print what would change; change nothing")
     p.add_argument("--run", default="", help="run id: writes runs/<RUN>/sync.json")
-    p.add_argument("--max-delete", type=int, default=20, help="most files removed from a host's dataset folder")
+    p.add_argument("--max-delete", type=int, default=20, help="most files deleted on a host (dataset folder, code folders)")
     p.add_argument("--bwlimit", type=int, default=0, help="rsync bandwidth limit in KiB/s (0: none)")
     p.add_argument("--rsync", default="rsync", help="the local rsync (e.g. /usr/bin/rsync, openrsync)")
     p.add_argument("--rsync-path", default="", help="the hosts' rsync (default: the one on their PATH)")
@@ -180,6 +184,7 @@ def probe(host: str, local: bool, root: str, args: list[str]) -> dict:
                            "use a folder inside it", "sync-refused")
     return {"hash": {m.group(2): m.group(1) for m in map(HASH_LINE_RE.match, lines) if m},
             "live": {ln[5:] for ln in lines if ln.startswith("LIVE ")},
+            "code": {ln[5:] for ln in lines if ln.startswith("CODE ")},
             "exists": {ln[7:] for ln in lines if ln.startswith("EXISTS ")}}
 
 
@@ -210,8 +215,8 @@ def transfers(host: str, args, plan: dict, before: dict, diff: dict) -> list[tup
     root, name, mrel = plan["root"], args.dataset, plan["model_rel"]
     dest = root if is_local(host) else f"{host}:{root}"
     jobs = []
-    if diff["code"]:
-        jobs.append(("code", ["--checksum", "-R", "--exclude=__pycache__", "--exclude=*.pyc", "--exclude=.*",
+    if diff["code"] or diff["code_extra"]:  # --delete: only in CODE_DIRS, never what is excluded (-R: see above)
+        jobs.append(("code", ["--checksum", "--delete", "--exclude=__pycache__", "--exclude=*.pyc", "--exclude=.*",
                               *CODE, f"{dest}/"]))
     if diff["dataset"] or diff["extra"]:
         # Only the manifest's files, into a fresh staging folder (a dry run: the live one), unchanged
@@ -243,12 +248,14 @@ def sync_host(host: str, args, plan: dict) -> dict:
     rec["before"] = diff = {"code": [f for f, h in plan["code"].items() if before["hash"].get(f) != h],
                             "dataset": [f for f, h in plan["expected"].items() if before["hash"].get(f) != h],
                             "extra": sorted(before["live"] - {f.rsplit("/", 1)[1] for f in plan["expected"]}),
+                            "code_extra": sorted(before["code"] - set(plan["code"])),
                             "model_missing": [f for f in plan["model_files"] if f not in before["exists"]]}
     diff["model"] = bool(mrel) and (args.sync_model or bool(diff["model_missing"]))
-    if len(diff["extra"]) > args.max_delete:
-        raise RunbookError(f"{host}: datasets/{name} holds {len(diff['extra'])} files that are not in its manifest "
-                           f"({', '.join(diff['extra'][:5])}, ...): more than --max-delete {args.max_delete} to "
-                           "delete; check DATASET, move them away, or raise --max-delete", "sync-refused")
+    gone = [*(f"datasets/{name}/{f}" for f in diff["extra"]), *diff["code_extra"]]
+    if len(gone) > args.max_delete:
+        raise RunbookError(f"{host}: {len(gone)} files that are not in its manifest or this checkout would be deleted "
+                           f"({', '.join(gone[:5])}, ...): more than --max-delete {args.max_delete}; check "
+                           "REMOTE_ROOT and DATASET, move them away, or raise --max-delete", "sync-refused")
 
     # 2. transfer what differs: code, dataset and model at once
     jobs = transfers(host, args, plan, before, diff)
@@ -269,19 +276,20 @@ def sync_host(host: str, args, plan: dict) -> dict:
     want = dict(plan["code"], **plan["expected"], **mh)
     staged = {f"datasets/.{name}.incoming/{f.rsplit('/', 1)[1]}": f
               for f in plan["expected"]} if "dataset" in rec["actions"] else {}
-    sent = [*(plan["code"] if diff["code"] else []), *(plan["model_files"] if diff["model"] else []), *staged]
+    sent = [*(plan["code"] if "code" in rec["actions"] else []), *(plan["model_files"] if diff["model"] else []), *staged]
     got = dict(before["hash"])
     if sent:
-        after = probe(host, local, root, ["ro", "-", "-", *sent])["hash"]
-        good = all(after.get(s) == want[f] for s, f in staged.items())
+        after = probe(host, local, root, ["ro", "-", "-", *sent])
+        good = all(after["hash"].get(s) == want[f] for s, f in staged.items())
         if staged and good:
             r = run_on(host, ["sh", "-c", SWAP_SH, "sh", root, name], local=local, timeout=SWAP_TIMEOUT)
             if not r.ok:
                 raise RunbookError(f"{host}: swapping datasets/.{name}.incoming in failed (exit {r.returncode}): "
                                    f"{r.stderr.strip()[:400]}", "sync-ssh")
-        got.update({f: after.get(f, "missing") for f in sent if f not in staged})
-        got.update({f: after.get(s, "missing") for s, f in staged.items() if good or after.get(s) != want[f]})
-    mismatches = sorted(f for f, h in want.items() if got.get(f) != h)
+        got.update({f: after["hash"].get(f, "missing") for f in sent if f not in staged})
+        got.update({f: after["hash"].get(s, "missing") for s, f in staged.items() if good or after["hash"].get(s) != want[f]})
+    left = after["code"] & set(diff["code_extra"]) if sent else set()  # what --delete should have removed
+    mismatches = sorted({f for f, h in want.items() if got.get(f) != h} | left)
     return dict(rec, verified=not mismatches, mismatches=mismatches, wall_s=round(time.monotonic() - t0, 3))
 
 

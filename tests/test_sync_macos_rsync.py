@@ -3,7 +3,7 @@
 Apple's openrsync (/usr/bin/rsync on macOS 15.4+) and rsync 2.6.9 (older macOS), built from
 Apple's sources by .ci/macos-tools.sh, at both ends and mixed (rsync 3.x here, openrsync on the
 hosts): first sync, no-op re-sync, flipped-byte repair, DRY_RUN, --max-delete and a sync killed
-mid-transfer, with the bytes sent reported right by every one. MACOS_TOOLS names the tools'
+mid-transfer, a code file gone from git deleted, with the bytes sent reported right by every one. MACOS_TOOLS names the tools'
 bin dir (CI); without it they are built when clang exists. REQUIRE_MACOS_TOOLS=1 turns a
 skip into a failure.
 """
@@ -141,6 +141,13 @@ def test_sync_with_macos_rsyncs(fabric, macos_tools, ends, request):
     assert re.search(rf"{hosts[0]} status verified actions (code\+)?dataset ", p.stdout), p.stdout
     assert not list(live(hosts[0]).glob("stray*"))
     assert 0 < sent()[hosts[0]] <= moved(p.stdout, hosts[0], ddir) + 65536, sent()
+
+    # A code file this checkout no longer has (deleted or moved in git) goes from every host.
+    for h in hosts:
+        (fabric.backing_dir(h) / sub / "lib" / "gone_from_git.py").write_text("x\n")
+    p = sync()
+    assert len(re.findall(r"code \*deleting +lib/gone_from_git\.py", p.stdout)) == 2, p.stdout
+    assert not any((fabric.backing_dir(h) / sub / "lib" / "gone_from_git.py").exists() for h in hosts)
 
     # A sync killed mid-transfer (a bigger dataset at 100 KiB/s) keeps the previous copy live.
     before = {h: {f.name: f.read_bytes() for f in live(h).iterdir()} for h in hosts}
