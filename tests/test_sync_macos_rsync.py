@@ -2,10 +2,10 @@
 
 Apple's openrsync (/usr/bin/rsync on macOS 15.4+) and rsync 2.6.9 (older macOS), built from
 Apple's sources by .ci/macos-tools.sh, at both ends and mixed (rsync 3.x here, openrsync on the
-hosts): first sync, no-op re-sync, flipped-byte repair, DRY_RUN, --max-delete and a sync killed
-mid-transfer, a code file gone from git deleted, with the bytes sent reported right by every one. MACOS_TOOLS names the tools'
-bin dir (CI); without it they are built when clang exists. REQUIRE_MACOS_TOOLS=1 turns a
-skip into a failure.
+hosts): first sync, no-op re-sync, flipped-byte repair, DRY_RUN, --max-delete, a code file gone
+from git deleted and a sync killed mid-transfer, with the bytes sent reported right by every one.
+MACOS_TOOLS names the tools' bin dir (CI); without it they are built when clang exists.
+REQUIRE_MACOS_TOOLS=1 turns a skip into a failure.
 """
 
 from __future__ import annotations
