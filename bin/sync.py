@@ -9,13 +9,11 @@ Example:
     python bin/sync.py --hostfile hostfile.json --remote-root /Users/op/thunder-runbook \
         --dataset domain_sft_v1_high_signal_thunder --model models/tiny-gemma4 --run stage1
 
-Per host, in parallel, over one ssh connection: a probe (refuses a REMOTE_ROOT that is the host's
-$HOME, creates REMOTE_ROOT, hashes the host's copy with openssl, sha256sum or shasum); rsync of what
-differs (the dataset into datasets/.NAME.incoming, unchanged files hard-linked); a hash of all that
-was sent; the staging dataset renamed into place only if all of it matches the local manifest (a
-killed sync or bad copy leaves the old one live). A no-op re-sync is the probe alone. rsync 3.x,
-macOS's 2.6.9 and openrsync work at either end. Writes runs/<RUN>/sync.json. Exit: 0 ok, 1 a host
-failed, 2 refused.
+Per host, in parallel, over one ssh connection: a probe hashes the host's copy; rsync sends what
+differs (the dataset into datasets/.NAME.incoming, unchanged files hard-linked; host code files this
+checkout lacks are deleted); the host hashes what was sent; the dataset goes live only if all of it
+matches the manifest (a killed sync or bad copy leaves the old one live). A no-op re-sync is the probe
+alone. Writes runs/<RUN>/sync.json. Exit: 0 ok, 1 a host failed, 2 refused.
 """
 
 from __future__ import annotations
@@ -37,12 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, hostfile, paths  # noqa: E402
 from lib.dataset import read_manifest  # noqa: E402
-from lib.hashing import iter_files, sha256_file  # noqa: E402
+from lib.hashing import iter_files, sha256_file, tree_hashes  # noqa: E402
 from lib.hostfile import check_path, is_local  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 from lib.remote import CONTROL_ENV, close_masters, rsh, run_on  # noqa: E402
 
-CODE_DIRS = ["bin", "lib", "configs"]  # a host's code files that this checkout lacks are deleted (PROBE_SH lists them)
+CODE_DIRS = ["bin", "lib", "configs"]  # a host's files here that this checkout lacks are deleted
 CODE = [*CODE_DIRS, "Makefile", "requirements.lock"]
 SWAP_TIMEOUT, LONG_TIMEOUT, RSYNC_IO_TIMEOUT = 60, 3600, 300  # s; LONG: a probe (it hashes GBs) or an rsync
 MODEL_LOCK = threading.Lock()
@@ -52,17 +50,16 @@ HASH_LINE_RE = re.compile(r"^([0-9a-f]{64}) [ *]\./(.+)$")  # openssl -r: `<hex>
 # rsync 3.x `Total bytes sent: 1,234`, 2.6.9 `...: 1234`, openrsync `Total sent: 278 B` (-h: 1.2 MB, -hh: MiB)
 SENT_RE = re.compile(r"^Total (?:bytes )?sent: ([\d.,']+) ?(?:([KMGTPE]?)(i?)B?)$", re.M)
 CHANGE_RE = re.compile(r"^[<>ch.*][fdLDS*]")  # --itemize-changes lines (`*deleting` included)
-# Only options rsync 3.x, 2.6.9 and openrsync share. Not --info, --mkpath, -s, --append-verify (not in
-# 2.6.9 nor openrsync), --delete-delay (2.6.9), --delete-excluded (3.x hangs on it against openrsync),
-# -R (openrsync sending to 3.x: --delete skips subfolders), --max-delete (2.6.9: 0 = no limit, over it
-# only warns): sync_host bounds what the probe listed; the swap and the code's --delete delete it.
+# Only options rsync 3.x, macOS's 2.6.9 and openrsync share, at either end. Not --info, --mkpath, -s,
+# --append-verify (not in 2.6.9 nor openrsync), --delete-delay (2.6.9), --delete-excluded (3.x hangs on
+# it against openrsync), -R (openrsync sending to 3.x: --delete skips subfolders), --max-delete (2.6.9:
+# 0 = no limit, over it only warns; sync_host bounds what the probe listed).
 
-# The probe, also the check after a transfer: $1 root; $2 rw (create root/datasets and root/$3,
-# remove a killed sync's staging folder beside $4) or ro (change nothing); $4 the dataset folder to
-# list (or -); then files to hash (as ./path: never an option), `--exists`, files only to look for.
-# It lists the code files in CODE_DIRS too, skipping what the code's rsync excludes. Every value is a positional argument of the constant script. It hashes with the fastest sha256
-# the host has, proven on empty input first: `openssl dgst` (the CPU's SHA instructions, 3x
-# coreutils' sha256sum here), then sha256sum, then macOS's shasum.
+# The probe, also the check after a transfer. $1 root; $2 rw (create root/datasets and root/$3, remove
+# a killed sync's staging folder beside $4) or ro; $4 the dataset folder to list (or -); then files to
+# hash (as ./path: never an option), `--exists`, files only to look for. It lists the code files in
+# CODE_DIRS (minus what rsync excludes) and hashes with the first tool proven on empty input: openssl
+# (the CPU's SHA instructions, 3x sha256sum), sha256sum, macOS's shasum.
 PROBE_SH = r"""
 root=$1; mode=$2; mk=$3; list=$4; shift 4
 case "$root" in "$HOME"|"${HOME%/}") echo HOMEROOT; exit 0;; esac
@@ -87,8 +84,7 @@ done
 if [ $# -gt 0 ]; then $h "$@" || exit 3; fi
 """
 
-# The swap, once the staging copy verified: $1 root, $2 dataset name. If an earlier swap was cut
-# between its two renames, the aside copy is put back first.
+# The swap of a verified staging copy: $1 root, $2 dataset. A swap cut between its renames is undone first.
 SWAP_SH = r"""set -e; cd "$1/datasets"; n=$2
 if [ ! -e "$n" ] && [ -d ".$n.previous" ]; then mv ".$n.previous" "$n"; fi
 rm -rf ".$n.previous"; if [ -e "$n" ]; then mv "$n" ".$n.previous"; fi; mv ".$n.incoming" "$n"; rm -rf ".$n.previous"
@@ -129,23 +125,22 @@ def load_plan(args) -> dict:
     if args.run:
         paths.check_run_id(args.run)
     hosts = hostfile.load(args.hostfile).unique_ssh()
-    expected = load_manifest(args.dataset)
-    code = {f: sha256_file(paths.ROOT / f) for f in iter_files(paths.ROOT, CODE)}
-    mrel = model_rel(args.model)
-    model_files = iter_files(paths.ROOT, [mrel]) if mrel else []
+    ddir = paths.DATASETS / args.dataset
+    expected = {f"datasets/{args.dataset}/{f}": m["sha256"] for f, m in sorted(read_manifest(ddir)["files"].items())}
+    expected[f"datasets/{args.dataset}/manifest.json"] = sha256_file(ddir / "manifest.json")
+    code, mrel = tree_hashes(paths.ROOT, CODE), model_rel(args.model)
     if mrel:
         paths.require_complete(paths.ROOT / mrel, args.model, "sync-model")
-    for rel in [*code, *expected, *model_files]:
-        if ".." in Path(rel).parts or any(c in rel for c in "\n\r\\"):
-            raise RunbookError(f"{rel!r} refused: outside REMOTE_ROOT {root}, or a name with a newline or "
-                               "backslash (which no host can verify); rename it", "sync-refused")
+    model_files = iter_files(paths.ROOT, [mrel]) if mrel else []
+    if bad := [f for f in [*code, *expected, *model_files] if any(c in f for c in "\n\r\\")]:
+        raise RunbookError(f"{bad[0]!r} refused: a name with a newline or backslash (no host can verify it); "
+                           "rename it", "sync-refused")
     return {"root": root, "hosts": hosts, "code": code, "expected": expected, "model_rel": mrel,
             "model_files": model_files}
 
 
 def model_rel(model: str) -> str | None:
-    """The model's path relative to the repo, or None for a Hugging Face id (each host resolves it
-    from its own cache). A local model outside the repo would land outside REMOTE_ROOT: refused."""
+    """The model's path in the repo (refused outside it), or None for a hub id (each host resolves it)."""
     if not model or not (paths.ROOT / model).exists():
         if model.startswith((".", "/")):
             raise RunbookError(f"MODEL {model} does not exist here", "sync-model")
@@ -158,24 +153,15 @@ def model_rel(model: str) -> str | None:
     return rel
 
 
-def load_manifest(dataset: str) -> dict[str, str]:
-    """{datasets/NAME/file: sha256} from the local manifest (lib.dataset refuses a bad one), plus
-    the manifest itself. Each host's staging copy must hash to these before it is swapped in."""
-    files = read_manifest(paths.DATASETS / dataset)["files"]
-    expected = {f"datasets/{dataset}/{name}": meta["sha256"] for name, meta in sorted(files.items())}
-    expected[f"datasets/{dataset}/manifest.json"] = sha256_file(paths.DATASETS / dataset / "manifest.json")
-    return expected
-
-
 @functools.cache
 def model_hashes(files: tuple[str, ...]) -> dict[str, str]:
     """Once (under MODEL_LOCK), and only if some host receives the model: gigabytes, not per no-op."""
-    return {f: sha256_file(paths.ROOT / f) for f in files}
+    return tree_hashes(paths.ROOT, files)
 
 
-def probe(host: str, local: bool, root: str, args: list[str]) -> dict:
+def probe(host: str, root: str, args: list[str]) -> dict:
     """Run PROBE_SH (args: mode, mkdir, folder to list, files...); {hash: {path: sha256}, live, exists}."""
-    r = run_on(host, ["sh", "-c", PROBE_SH, "sh", root, *args], timeout=LONG_TIMEOUT, local=local)
+    r = run_on(host, ["sh", "-c", PROBE_SH, "sh", root, *args], timeout=LONG_TIMEOUT)
     if not r.ok:
         raise RunbookError(f"{host}: probe failed (exit {r.returncode}): {r.stderr.strip()[:400]}", "sync-ssh")
     lines = r.stdout.splitlines()
@@ -234,17 +220,17 @@ def transfers(host: str, args, plan: dict, before: dict, diff: dict) -> list[tup
 def sync_host(host: str, args, plan: dict) -> dict:
     """Probe, transfer what differs, verify, swap. Returns this host's report."""
     root, name, mrel = plan["root"], args.dataset, plan["model_rel"]
-    local, t0 = is_local(host), time.monotonic()
-    rec: dict = {"host": host, "transferred_bytes": 0, "changes": [], "actions": [], "verified": False}
-    if local and Path(root) == paths.ROOT:  # the embedded default (127.0.0.1, this repo): only verify
+    t0 = time.monotonic()
+    rec: dict = {"host": host, "transferred_bytes": 0, "changes": [], "actions": []}
+    if is_local(host) and Path(root) == paths.ROOT:  # the embedded default (127.0.0.1, this repo): only verify
         bad = sorted(f for f, h in plan["expected"].items() if sha256_file(paths.ROOT / f) != h)
         return dict(rec, actions=["none: destination is the source"], verified=not bad, mismatches=bad,
                     wall_s=round(time.monotonic() - t0, 3))
 
     # 1. probe (it creates REMOTE_ROOT and the folders the transfers land in, except on a dry run)
     mkdir = os.path.dirname(mrel) if mrel and os.path.dirname(mrel) else "datasets"
-    before = probe(host, local, root, ["ro" if args.dry_run else "rw", mkdir, f"datasets/{name}",
-                                       *plan["code"], *plan["expected"], "--exists", *plan["model_files"]])
+    before = probe(host, root, ["ro" if args.dry_run else "rw", mkdir, f"datasets/{name}",
+                               *plan["code"], *plan["expected"], "--exists", *plan["model_files"]])
     rec["before"] = diff = {"code": [f for f, h in plan["code"].items() if before["hash"].get(f) != h],
                             "dataset": [f for f, h in plan["expected"].items() if before["hash"].get(f) != h],
                             "extra": sorted(before["live"] - {f.rsplit("/", 1)[1] for f in plan["expected"]}),
@@ -260,35 +246,34 @@ def sync_host(host: str, args, plan: dict) -> dict:
     # 2. transfer what differs: code, dataset and model at once
     jobs = transfers(host, args, plan, before, diff)
     with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
-        for kind, sent, changes in pool.map(lambda j: (j[0], *rsync(host, args, j[1])), jobs):
-            total = rec["transferred_bytes"]
-            rec["transferred_bytes"] = None if sent is None or total is None else total + sent
-            rec["changes"] += [f"{kind} {c}" for c in changes]
-            rec["actions"].append(kind)
+        done = list(pool.map(lambda j: rsync(host, args, j[1]), jobs))
+    sizes = [b for b, _ in done]
+    rec.update(transferred_bytes=None if None in sizes else sum(sizes), actions=[k for k, _ in jobs],
+               changes=[f"{k} {c}" for (k, _), (_, changes) in zip(jobs, done, strict=True) for c in changes])
     if args.dry_run:
         rec["changes"] += [f"dataset *deleting {f}" for f in diff["extra"]]
         return dict(rec, verified=None, wall_s=round(time.monotonic() - t0, 3))
 
-    # 3. verify, not trust: hash on the host everything sent; swap the dataset in only if all of
+    # 3. verify, not trust: the host hashes all that was sent; the dataset is swapped in only if all of
     # it matches. Files not sent stand on the probe's hashes.
     with MODEL_LOCK:
         mh = model_hashes(tuple(plan["model_files"])) if diff["model"] else {}
     want = dict(plan["code"], **plan["expected"], **mh)
     staged = {f"datasets/.{name}.incoming/{f.rsplit('/', 1)[1]}": f
               for f in plan["expected"]} if "dataset" in rec["actions"] else {}
-    sent = [*(plan["code"] if "code" in rec["actions"] else []), *(plan["model_files"] if diff["model"] else []), *staged]
-    got = dict(before["hash"])
+    sent = [*(plan["code"] if "code" in rec["actions"] else []), *mh, *staged]
+    got, left = dict(before["hash"]), set()
     if sent:
-        after = probe(host, local, root, ["ro", "-", "-", *sent])
-        good = all(after["hash"].get(s) == want[f] for s, f in staged.items())
-        if staged and good:
-            r = run_on(host, ["sh", "-c", SWAP_SH, "sh", root, name], local=local, timeout=SWAP_TIMEOUT)
+        after = probe(host, root, ["ro", "-", "-", *sent])
+        bad = {f for s, f in staged.items() if after["hash"].get(s) != want[f]}
+        if staged and not bad:
+            r = run_on(host, ["sh", "-c", SWAP_SH, "sh", root, name], timeout=SWAP_TIMEOUT)
             if not r.ok:
                 raise RunbookError(f"{host}: swapping datasets/.{name}.incoming in failed (exit {r.returncode}): "
                                    f"{r.stderr.strip()[:400]}", "sync-ssh")
         got.update({f: after["hash"].get(f, "missing") for f in sent if f not in staged})
-        got.update({f: after["hash"].get(s, "missing") for s, f in staged.items() if good or after["hash"].get(s) != want[f]})
-    left = after["code"] & set(diff["code_extra"]) if sent else set()  # what --delete should have removed
+        got.update({f: after["hash"].get(s, "missing") for s, f in staged.items() if not bad or f in bad})
+        left = after["code"] & set(diff["code_extra"])  # what --delete should have removed
     mismatches = sorted({f for f, h in want.items() if got.get(f) != h} | left)
     return dict(rec, verified=not mismatches, mismatches=mismatches, wall_s=round(time.monotonic() - t0, 3))
 
