@@ -19,7 +19,6 @@ alone. Writes runs/<RUN>/sync.json. Exit: 0 ok, 1 a host failed, 2 refused.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
 import shutil
@@ -153,12 +152,6 @@ def model_rel(model: str) -> str | None:
     return rel
 
 
-@functools.cache
-def model_hashes(files: tuple[str, ...]) -> dict[str, str]:
-    """Once (under MODEL_LOCK), and only if some host receives the model: gigabytes, not per no-op."""
-    return tree_hashes(paths.ROOT, files)
-
-
 def probe(host: str, root: str, args: list[str]) -> dict:
     """Run PROBE_SH (args: mode, mkdir, folder to list, files...); {hash: {path: sha256}, live, exists}."""
     r = run_on(host, ["sh", "-c", PROBE_SH, "sh", root, *args], timeout=LONG_TIMEOUT)
@@ -254,15 +247,16 @@ def sync_host(host: str, args, plan: dict) -> dict:
         rec["changes"] += [f"dataset *deleting {f}" for f in diff["extra"]]
         return dict(rec, verified=None, wall_s=round(time.monotonic() - t0, 3))
 
-    # 3. verify, not trust: the host hashes all that was sent; the dataset is swapped in only if all of
-    # it matches. Files not sent stand on the probe's hashes.
-    with MODEL_LOCK:
-        mh = model_hashes(tuple(plan["model_files"])) if diff["model"] else {}
+    # 3. verify, not trust: the host hashes all that was sent (what was not, the probe hashed: it
+    # matched); the dataset is swapped in only if all of it matches.
+    with MODEL_LOCK:  # the model is hashed here once, and only if some host receives it: gigabytes
+        if diff["model"] and "model" not in plan:
+            plan["model"] = tree_hashes(paths.ROOT, plan["model_files"])
+    mh = plan["model"] if diff["model"] else {}
     want = dict(plan["code"], **plan["expected"], **mh)
     staged = {f"datasets/.{name}.incoming/{f.rsplit('/', 1)[1]}": f
               for f in plan["expected"]} if "dataset" in rec["actions"] else {}
-    sent = [*(plan["code"] if "code" in rec["actions"] else []), *mh, *staged]
-    got, left = dict(before["hash"]), set()
+    sent, bad = [*(plan["code"] if "code" in rec["actions"] else []), *mh, *staged], set()
     if sent:
         after = probe(host, root, ["ro", "-", "-", *sent])
         bad = {f for s, f in staged.items() if after["hash"].get(s) != want[f]}
@@ -271,11 +265,9 @@ def sync_host(host: str, args, plan: dict) -> dict:
             if not r.ok:
                 raise RunbookError(f"{host}: swapping datasets/.{name}.incoming in failed (exit {r.returncode}): "
                                    f"{r.stderr.strip()[:400]}", "sync-ssh")
-        got.update({f: after["hash"].get(f, "missing") for f in sent if f not in staged})
-        got.update({f: after["hash"].get(s, "missing") for s, f in staged.items() if not bad or f in bad})
-        left = after["code"] & set(diff["code_extra"])  # what --delete should have removed
-    mismatches = sorted({f for f, h in want.items() if got.get(f) != h} | left)
-    return dict(rec, verified=not mismatches, mismatches=mismatches, wall_s=round(time.monotonic() - t0, 3))
+        bad |= {f for f in sent if f not in staged and after["hash"].get(f) != want[f]}
+        bad |= after["code"] & set(diff["code_extra"])  # what --delete should have removed
+    return dict(rec, verified=not bad, mismatches=sorted(bad), wall_s=round(time.monotonic() - t0, 3))
 
 
 def sync_all(hosts: list[str], args, plan: dict) -> list[dict]:
@@ -332,9 +324,8 @@ def main() -> int:
         rc = rc or int(r["verified"] is False)
 
     report = {"hostfile": args.hostfile, "remote_root": root, "dataset": args.dataset, "model": args.model,
-              "dry_run": args.dry_run, "rsync": args.rsync, "rsync_path": args.rsync_path, "hosts": results,
-              "local_dataset_errors": local_bad, "ok": rc == 0, "wall_s": round(time.time() - t0, 3),
-              "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+              "hosts": results, "local_dataset_errors": local_bad, "ok": rc == 0,
+              "wall_s": round(time.time() - t0, 3), "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if args.run and not args.dry_run:
         atomic.write_json(paths.run_dir(args.run) / "sync.json", report)
     event("sync-summary", hosts=len(hosts), ok=rc == 0, wall_s=report["wall_s"])
