@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lib import atomic, hostfile, paths  # noqa: E402
 from lib.dataset import read_manifest  # noqa: E402
 from lib.hashing import iter_files, sha256_file, tree_hashes  # noqa: E402
-from lib.hostfile import check_path, is_local  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 from lib.remote import CONTROL_ENV, close_masters, rsh, run_on  # noqa: E402
 
@@ -49,16 +48,14 @@ HASH_LINE_RE = re.compile(r"^([0-9a-f]{64}) [ *]\./(.+)$")  # openssl -r: `<hex>
 # rsync 3.x `Total bytes sent: 1,234`, 2.6.9 `...: 1234`, openrsync `Total sent: 278 B` (-h: 1.2 MB, -hh: MiB)
 SENT_RE = re.compile(r"^Total (?:bytes )?sent: ([\d.,']+) ?(?:([KMGTPE]?)(i?)B?)$", re.M)
 CHANGE_RE = re.compile(r"^[<>ch.*][fdLDS*]")  # --itemize-changes lines (`*deleting` included)
-# Only options rsync 3.x, macOS's 2.6.9 and openrsync share, at either end. Not --info, --mkpath, -s,
-# --append-verify (not in 2.6.9 nor openrsync), --delete-delay (2.6.9), --delete-excluded (3.x hangs on
-# it against openrsync), -R (openrsync sending to 3.x: --delete skips subfolders), --max-delete (2.6.9:
-# 0 = no limit, over it only warns; sync_host bounds what the probe listed).
+# Only options rsync 3.x, macOS's 2.6.9 and openrsync share, at either end: not --info, --mkpath, -s,
+# --append-verify, --delete-delay, --delete-excluded (3.x hangs on it against openrsync), -R with --delete
+# (openrsync to 3.x skips subfolders), --max-delete (2.6.9: 0 = no limit, over it only warns).
 
 # The probe, also the check after a transfer. $1 root; $2 rw (create root/datasets and root/$3, remove
 # a killed sync's staging folder beside $4) or ro; $4 the dataset folder to list (or -); then files to
-# hash (as ./path: never an option), `--exists`, files only to look for. It lists the code files in
-# CODE_DIRS (minus what rsync excludes) and hashes with the first tool proven on empty input: openssl
-# (the CPU's SHA instructions, 3x sha256sum), sha256sum, macOS's shasum.
+# hash (as ./path: never an option), `--exists`, files only to look for. It lists CODE_DIRS' files (not
+# what rsync excludes) and hashes with the first tool proven on empty input: openssl (3x sha256sum).
 PROBE_SH = r"""
 root=$1; mode=$2; mk=$3; list=$4; shift 4
 case "$root" in "$HOME"|"${HOME%/}") echo HOMEROOT; exit 0;; esac
@@ -108,8 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_plan(args) -> dict:
     """Every refusal that needs no host, then what goes where: {root, hosts, code, expected, model...}."""
-    check_path(args.remote_root, "REMOTE_ROOT")
-    root = os.path.normpath(args.remote_root)
+    root = os.path.normpath(hostfile.check_path(args.remote_root, "REMOTE_ROOT"))
     if root == "/" or HOME_RE.match(root) or root == os.path.normpath(os.path.expanduser("~")):
         raise RunbookError(f"REMOTE_ROOT {args.remote_root!r} refused: it is / or a home directory itself; "
                            "use a folder inside it, e.g. REMOTE_ROOT=$HOME/thunder-runbook", "sync-refused")
@@ -182,8 +178,11 @@ def rsync(host: str, args, rsync_args: list[str]) -> tuple[int | None, list[str]
             *([f"--rsync-path={args.rsync_path}"] if args.rsync_path else []),
             *(["--dry-run"] if args.dry_run else []), *([f"--bwlimit={args.bwlimit}"] if args.bwlimit else []),
             *rsync_args]
-    p = subprocess.run(argv, cwd=paths.ROOT, capture_output=True, text=True, timeout=LONG_TIMEOUT,
-                       stdin=subprocess.DEVNULL)
+    try:
+        p = subprocess.run(argv, cwd=paths.ROOT, capture_output=True, text=True, timeout=LONG_TIMEOUT,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        raise RunbookError(f"{host}: {args.rsync} timed out after {e.timeout:g} s", "sync-ssh") from e
     if p.returncode != 0:
         raise RunbookError(f"{host}: {args.rsync} exited {p.returncode}: {p.stderr.strip()[:600]}", "sync-ssh")
     return bytes_sent(p.stdout), [ln for ln in p.stdout.splitlines() if CHANGE_RE.match(ln) and ln[:2] != ".d"]
@@ -192,14 +191,14 @@ def rsync(host: str, args, rsync_args: list[str]) -> tuple[int | None, list[str]
 def transfers(host: str, args, plan: dict, before: dict, diff: dict) -> list[tuple[str, list[str]]]:
     """(kind, rsync arguments) for what this host lacks: code, dataset, model."""
     root, name, mrel = plan["root"], args.dataset, plan["model_rel"]
-    dest = root if is_local(host) else f"{host}:{root}"
+    dest = root if hostfile.is_local(host) else f"{host}:{root}"
     jobs = []
-    if diff["code"] or diff["code_extra"]:  # --delete: only in CODE_DIRS, never what is excluded (-R: see above)
+    if diff["code"] or diff["code_extra"]:  # --delete: only inside CODE_DIRS, never what is excluded
         jobs.append(("code", ["--checksum", "--delete", "--exclude=__pycache__", "--exclude=*.pyc", "--exclude=.*",
                               *CODE, f"{dest}/"]))
     if diff["dataset"] or diff["extra"]:
-        # Only the manifest's files, into a fresh staging folder (a dry run: the live one), unchanged
-        # ones hard-linked; --checksum when a same-sized damaged file could pass rsync's quick check.
+        # The manifest's files into a fresh staging folder (dry run: the live one), unchanged ones
+        # hard-linked; --checksum when a same-sized damaged file could pass rsync's quick check.
         only = [f"--include=/{f.rsplit('/', 1)[1]}" for f in plan["expected"]] + ["--exclude=*"]
         into = f"datasets/{name}" if args.dry_run else f"datasets/.{name}.incoming"
         link = [] if args.dry_run else [f"--link-dest={root}/datasets/{name}"]
@@ -212,10 +211,9 @@ def transfers(host: str, args, plan: dict, before: dict, diff: dict) -> list[tup
 
 def sync_host(host: str, args, plan: dict) -> dict:
     """Probe, transfer what differs, verify, swap. Returns this host's report."""
-    root, name, mrel = plan["root"], args.dataset, plan["model_rel"]
-    t0 = time.monotonic()
+    root, name, mrel, t0 = plan["root"], args.dataset, plan["model_rel"], time.monotonic()
     rec: dict = {"host": host, "transferred_bytes": 0, "changes": [], "actions": []}
-    if is_local(host) and Path(root) == paths.ROOT:  # the embedded default (127.0.0.1, this repo): only verify
+    if hostfile.is_local(host) and Path(root) == paths.ROOT:  # the embedded default (127.0.0.1, this repo): only verify
         bad = sorted(f for f, h in plan["expected"].items() if sha256_file(paths.ROOT / f) != h)
         return dict(rec, actions=["none: destination is the source"], verified=not bad, mismatches=bad,
                     wall_s=round(time.monotonic() - t0, 3))
@@ -270,26 +268,6 @@ def sync_host(host: str, args, plan: dict) -> dict:
     return dict(rec, verified=not bad, mismatches=sorted(bad), wall_s=round(time.monotonic() - t0, 3))
 
 
-def sync_all(hosts: list[str], args, plan: dict) -> list[dict]:
-    """sync_host on every host at once, each over one shared ssh connection (closed at the end)."""
-    def one(h: str) -> dict:
-        try:
-            return sync_host(h, args, plan)
-        except RunbookError as e:
-            return {"host": h, "error": str(e)}
-        except subprocess.TimeoutExpired as e:
-            return {"host": h, "error": f"{h}: rsync timed out after {e.timeout:g} s; see RUNBOOK.md#sync-ssh"}
-
-    os.environ[CONTROL_ENV] = ctl = tempfile.mkdtemp(prefix="thsync-", dir="/tmp")  # a socket path: <= 104 B
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
-            return list(pool.map(one, hosts))
-    finally:
-        close_masters(hosts)
-        os.environ.pop(CONTROL_ENV, None)
-        shutil.rmtree(ctl, ignore_errors=True)
-
-
 def main() -> int:
     args = build_parser().parse_args()
     t0 = time.time()
@@ -298,12 +276,19 @@ def main() -> int:
     except RunbookError as e:
         return die(e, 2)
     root, hosts, expected = plan["root"], plan["hosts"], plan["expected"]
-    results = sync_all(hosts, args, plan)
+    os.environ[CONTROL_ENV] = ctl = tempfile.mkdtemp(prefix="thsync-", dir="/tmp")  # a socket path: <= 104 B
+    try:  # every host at once, each over one shared ssh connection
+        with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+            jobs = [pool.submit(sync_host, h, args, plan) for h in hosts]
+        results = [{"host": h, "error": str(j.exception())} if isinstance(j.exception(), RunbookError)
+                   else j.result() for h, j in zip(hosts, jobs, strict=True)]
+    finally:
+        close_masters(hosts)
+        shutil.rmtree(ctl, ignore_errors=True)
 
     # A host's dataset failed verification: is the local copy itself damaged? Name it, not the host.
     suspect = any(set(r.get("mismatches", [])) & set(expected) for r in results)
-    local_bad = [f for f, h in expected.items() if suspect and (not (paths.ROOT / f).is_file()
-                                                                or sha256_file(paths.ROOT / f) != h)]
+    local_bad = [f for f, h in expected.items() if suspect and tree_hashes(paths.ROOT, [f]).get(f) != h]
     rc = 0
     for f in local_bad:
         rc = die(RunbookError(f"local {f} does not match its manifest, so no host's dataset was replaced "
@@ -323,9 +308,8 @@ def main() -> int:
                                   f"(df -h {root}) and re-run make sync", "sync-verify"))
         rc = rc or int(r["verified"] is False)
 
-    report = {"hostfile": args.hostfile, "remote_root": root, "dataset": args.dataset, "model": args.model,
-              "hosts": results, "local_dataset_errors": local_bad, "ok": rc == 0,
-              "wall_s": round(time.time() - t0, 3), "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    report = {"remote_root": root, "dataset": args.dataset, "model": args.model, "hosts": results, "ok": rc == 0,
+              "local_dataset_errors": local_bad, "wall_s": round(time.time() - t0, 3), "ts": time.strftime("%FT%T%z")}
     if args.run and not args.dry_run:
         atomic.write_json(paths.run_dir(args.run) / "sync.json", report)
     event("sync-summary", hosts=len(hosts), ok=rc == 0, wall_s=report["wall_s"])
