@@ -44,10 +44,9 @@ SWAP_TIMEOUT, LONG_TIMEOUT, RSYNC_IO_TIMEOUT = 60, 3600, 300  # s; LONG: a probe
 MODEL_LOCK = threading.Lock()
 HOME_RE = re.compile(r"^/(root|var/root|home/[^/]+|Users/[^/]+)/?$")
 PLAIN_PATH_RE = re.compile(r"^[A-Za-z0-9_./+-]+$")
-HASH_LINE_RE = re.compile(r"^([0-9a-f]{64}) [ *]\./(.+)$")  # openssl -r: `<hex> *./f`; the others `<hex>  ./f`
-# rsync 3.x `Total bytes sent: 1,234`, 2.6.9 `...: 1234`, openrsync `Total sent: 278 B` (-h: 1.2 MB, -hh: MiB)
-SENT_RE = re.compile(r"^Total (?:bytes )?sent: ([\d.,']+) ?(?:([KMGTPE]?)(i?)B?)$", re.M)
-CHANGE_RE = re.compile(r"^[<>ch.*][fdLDS*]")  # --itemize-changes lines (`*deleting` included)
+HASH_LINE_RE = re.compile(r"^([0-9a-f]{64}) [ *]\./(.+)$")  # `<hex> *./f` (openssl -r) or `<hex>  ./f`
+SENT_RE = re.compile(r"^Total (?:bytes )?sent: ([\d.,']+)(?: B)?$", re.M)
+CHANGE_RE = re.compile(r"^(?!\.d)[<>ch.*][fdLDS*]")  # --itemize-changes lines but folders (`*deleting` too)
 # Only options rsync 3.x, macOS's 2.6.9 and openrsync share, at either end: not --info, --mkpath, -s,
 # --append-verify, --delete-delay, --delete-excluded (3.x hangs on it against openrsync), -R with --delete
 # (openrsync to 3.x skips subfolders), --max-delete (2.6.9: 0 = no limit, over it only warns).
@@ -67,8 +66,8 @@ h=; for c in "openssl dgst -sha256 -r" sha256sum "shasum -a 256"; do
 done
 if [ -z "$h" ]; then echo "no working sha256 tool (openssl, sha256sum or shasum) on this host" >&2; exit 3; fi
 if [ "$list" != - ] && [ -d "$list" ]; then ls -A -- "$list" | sed 's/^/LIVE /'; fi
-find bin lib configs \( -name '.*' -o -name __pycache__ -o -name '*.pyc' \) -prune -o ! -type d -print 2>/dev/null |
-  sed 's/^/CODE /'
+find bin lib configs \( -name '.*' -o -name __pycache__ -o -name '*.pyc' \) -prune -o ! -type d -print \
+  2>/dev/null | sed 's/^/CODE /'
 if [ "$mode" = rw ] && [ "$list" != - ]; then rm -rf -- "${list%/*}/.${list##*/}.incoming"; fi
 exists=; for f; do
   shift
@@ -83,7 +82,8 @@ if [ $# -gt 0 ]; then $h "$@" || exit 3; fi
 # The swap of a verified staging copy: $1 root, $2 dataset. A swap cut between its renames is undone first.
 SWAP_SH = r"""set -e; cd "$1/datasets"; n=$2
 if [ ! -e "$n" ] && [ -d ".$n.previous" ]; then mv ".$n.previous" "$n"; fi
-rm -rf ".$n.previous"; if [ -e "$n" ]; then mv "$n" ".$n.previous"; fi; mv ".$n.incoming" "$n"; rm -rf ".$n.previous"
+rm -rf ".$n.previous"; if [ -e "$n" ]; then mv "$n" ".$n.previous"; fi
+mv ".$n.incoming" "$n"; rm -rf ".$n.previous"
 """
 
 
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-model", action="store_true", help="sync the model even if present")
     p.add_argument("--dry-run", action="store_true", help="print what would change; change nothing")
     p.add_argument("--run", default="", help="run id: writes runs/<RUN>/sync.json")
-    p.add_argument("--max-delete", type=int, default=20, help="most files deleted on a host (dataset folder, code folders)")
+    p.add_argument("--max-delete", type=int, default=20, help="most files deleted on a host (dataset, code)")
     p.add_argument("--bwlimit", type=int, default=0, help="rsync bandwidth limit in KiB/s (0: none)")
     p.add_argument("--rsync", default="rsync", help="the local rsync (e.g. /usr/bin/rsync, openrsync)")
     p.add_argument("--rsync-path", default="", help="the hosts' rsync (default: the one on their PATH)")
@@ -115,14 +115,14 @@ def load_plan(args) -> dict:
         raise RunbookError(f"--rsync {args.rsync!r}: no such program here; install rsync or pass "
                            "RSYNC=/usr/bin/rsync", "sync-rsync")
     if args.rsync_path and not PLAIN_PATH_RE.match(args.rsync_path):
-        raise RunbookError(f"--rsync-path {args.rsync_path!r} refused: the host's shell reads it, so it must be "
-                           "a plain path (letters, digits, _ . / + -), e.g. RSYNC_PATH=/usr/bin/rsync", "sync-rsync")
+        raise RunbookError(f"--rsync-path {args.rsync_path!r} refused: the host's shell reads it, so only "
+                           "letters, digits and _./+- may be in it: RSYNC_PATH=/usr/bin/rsync", "sync-rsync")
     if args.run:
         paths.check_run_id(args.run)
     hosts = hostfile.load(args.hostfile).unique_ssh()
-    ddir = paths.DATASETS / args.dataset
-    expected = {f"datasets/{args.dataset}/{f}": m["sha256"] for f, m in sorted(read_manifest(ddir)["files"].items())}
-    expected[f"datasets/{args.dataset}/manifest.json"] = sha256_file(ddir / "manifest.json")
+    d = f"datasets/{args.dataset}"
+    expected = {f"{d}/{f}": m["sha256"] for f, m in sorted(read_manifest(paths.ROOT / d)["files"].items())}
+    expected[f"{d}/manifest.json"] = sha256_file(paths.ROOT / d / "manifest.json")
     code, mrel = tree_hashes(paths.ROOT, CODE), model_rel(args.model)
     if mrel:
         paths.require_complete(paths.ROOT / mrel, args.model, "sync-model")
@@ -140,9 +140,8 @@ def model_rel(model: str) -> str | None:
         if model.startswith((".", "/")):
             raise RunbookError(f"MODEL {model} does not exist here", "sync-model")
         return None  # a hub id such as mlx-community/gemma-4-e2b-it-4bit
-    # not resolved: models/x may link to another disk; it lands as models/x on the hosts
-    rel = os.path.relpath(os.path.normpath(paths.ROOT / model), paths.ROOT)
-    if rel == ".." or rel.startswith("../"):
+    rel = os.path.relpath(os.path.normpath(paths.ROOT / model), paths.ROOT)  # models/x may be a link
+    if rel.split("/")[0] == "..":
         raise RunbookError(f"MODEL {model} is outside the repo, so it would land outside REMOTE_ROOT; "
                            "move or link it under models/", "sync-model")
     return rel
@@ -152,7 +151,8 @@ def probe(host: str, root: str, args: list[str]) -> dict:
     """Run PROBE_SH (args: mode, mkdir, folder to list, files...); {hash: {path: sha256}, live, exists}."""
     r = run_on(host, ["sh", "-c", PROBE_SH, "sh", root, *args], timeout=LONG_TIMEOUT)
     if not r.ok:
-        raise RunbookError(f"{host}: probe failed (exit {r.returncode}): {r.stderr.strip()[:400]}", "sync-ssh")
+        raise RunbookError(f"{host}: probe failed (exit {r.returncode}): {r.stderr.strip()[:400]}",
+                           "sync-ssh")
     lines = r.stdout.splitlines()
     if "HOMEROOT" in lines:
         raise RunbookError(f"{host}: REMOTE_ROOT {root} is that host's home directory itself; "
@@ -164,28 +164,26 @@ def probe(host: str, root: str, args: list[str]) -> dict:
 
 
 def bytes_sent(stats: str) -> int | None:
-    """Bytes sent, from the --stats of rsync 3.x, rsync 2.6.9 or openrsync (None: no such line)."""
+    """Bytes sent, from the --stats of rsync 3.x (`1,234`), 2.6.9 (`1234`), openrsync (`1234 B`), or None."""
     m = SENT_RE.search(stats)
-    if not m or not m.group(2):
-        return int(re.sub(r"[,.']", "", m.group(1))) if m else None
-    scale = (1024 if m.group(3) else 1000) ** ("KMGTPE".index(m.group(2)) + 1)
-    return round(float(m.group(1).replace(",", "")) * scale)
+    return int(re.sub(r"[,.']", "", m.group(1))) if m else None
 
 
 def rsync(host: str, args, rsync_args: list[str]) -> tuple[int | None, list[str]]:
     """Run the local rsync with the unattended ssh; returns (bytes sent, itemized changes)."""
     argv = [args.rsync, "-a", "--itemize-changes", "--stats", f"--timeout={RSYNC_IO_TIMEOUT}", "-e", rsh(),
             *([f"--rsync-path={args.rsync_path}"] if args.rsync_path else []),
-            *(["--dry-run"] if args.dry_run else []), *([f"--bwlimit={args.bwlimit}"] if args.bwlimit else []),
-            *rsync_args]
+            *(["--dry-run"] if args.dry_run else []),
+            *([f"--bwlimit={args.bwlimit}"] if args.bwlimit else []), *rsync_args]
     try:
         p = subprocess.run(argv, cwd=paths.ROOT, capture_output=True, text=True, timeout=LONG_TIMEOUT,
                            stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as e:
         raise RunbookError(f"{host}: {args.rsync} timed out after {e.timeout:g} s", "sync-ssh") from e
     if p.returncode != 0:
-        raise RunbookError(f"{host}: {args.rsync} exited {p.returncode}: {p.stderr.strip()[:600]}", "sync-ssh")
-    return bytes_sent(p.stdout), [ln for ln in p.stdout.splitlines() if CHANGE_RE.match(ln) and ln[:2] != ".d"]
+        raise RunbookError(f"{host}: {args.rsync} exited {p.returncode}: {p.stderr.strip()[:600]}",
+                           "sync-ssh")
+    return bytes_sent(p.stdout), [ln for ln in p.stdout.splitlines() if CHANGE_RE.match(ln)]
 
 
 def transfers(host: str, args, plan: dict, before: dict, diff: dict) -> list[tuple[str, list[str]]]:
@@ -194,8 +192,8 @@ def transfers(host: str, args, plan: dict, before: dict, diff: dict) -> list[tup
     dest = root if hostfile.is_local(host) else f"{host}:{root}"
     jobs = []
     if diff["code"] or diff["code_extra"]:  # --delete: only inside CODE_DIRS, never what is excluded
-        jobs.append(("code", ["--checksum", "--delete", "--exclude=__pycache__", "--exclude=*.pyc", "--exclude=.*",
-                              *CODE, f"{dest}/"]))
+        jobs.append(("code", ["--checksum", "--delete", "--exclude=__pycache__", "--exclude=*.pyc",
+                              "--exclude=.*", *CODE, f"{dest}/"]))
     if diff["dataset"] or diff["extra"]:
         # The manifest's files into a fresh staging folder (dry run: the live one), unchanged ones
         # hard-linked; --checksum when a same-sized damaged file could pass rsync's quick check.
@@ -213,7 +211,7 @@ def sync_host(host: str, args, plan: dict) -> dict:
     """Probe, transfer what differs, verify, swap. Returns this host's report."""
     root, name, mrel, t0 = plan["root"], args.dataset, plan["model_rel"], time.monotonic()
     rec: dict = {"host": host, "transferred_bytes": 0, "changes": [], "actions": []}
-    if hostfile.is_local(host) and Path(root) == paths.ROOT:  # the embedded default (127.0.0.1, this repo): only verify
+    if hostfile.is_local(host) and Path(root) == paths.ROOT:  # 127.0.0.1 and this repo: only verify
         bad = sorted(f for f, h in plan["expected"].items() if sha256_file(paths.ROOT / f) != h)
         return dict(rec, actions=["none: destination is the source"], verified=not bad, mismatches=bad,
                     wall_s=round(time.monotonic() - t0, 3))
@@ -230,9 +228,9 @@ def sync_host(host: str, args, plan: dict) -> dict:
     diff["model"] = bool(mrel) and (args.sync_model or bool(diff["model_missing"]))
     gone = [*(f"datasets/{name}/{f}" for f in diff["extra"]), *diff["code_extra"]]
     if len(gone) > args.max_delete:
-        raise RunbookError(f"{host}: {len(gone)} files that are not in its manifest or this checkout would be deleted "
-                           f"({', '.join(gone[:5])}, ...): more than --max-delete {args.max_delete}; check "
-                           "REMOTE_ROOT and DATASET, move them away, or raise --max-delete", "sync-refused")
+        raise RunbookError(f"{host}: {len(gone)} files that are not in its manifest or this checkout would "
+                           f"go ({', '.join(gone[:5])}, ...): more than --max-delete {args.max_delete}; "
+                           "check REMOTE_ROOT and DATASET, move them away, or raise it", "sync-refused")
 
     # 2. transfer what differs: code, dataset and model at once
     jobs = transfers(host, args, plan, before, diff)
@@ -261,8 +259,8 @@ def sync_host(host: str, args, plan: dict) -> dict:
         if staged and not bad:
             r = run_on(host, ["sh", "-c", SWAP_SH, "sh", root, name], timeout=SWAP_TIMEOUT)
             if not r.ok:
-                raise RunbookError(f"{host}: swapping datasets/.{name}.incoming in failed (exit {r.returncode}): "
-                                   f"{r.stderr.strip()[:400]}", "sync-ssh")
+                raise RunbookError(f"{host}: swapping in datasets/.{name}.incoming failed (exit "
+                                   f"{r.returncode}): {r.stderr.strip()[:400]}", "sync-ssh")
         bad |= {f for f in sent if f not in staged and after["hash"].get(f) != want[f]}
         bad |= after["code"] & set(diff["code_extra"])  # what --delete should have removed
     return dict(rec, verified=not bad, mismatches=sorted(bad), wall_s=round(time.monotonic() - t0, 3))
@@ -301,15 +299,17 @@ def main() -> int:
             continue
         for c in r["changes"]:
             print(f"  {h}: {'would ' if args.dry_run else ''}{c}")
-        event("sync", host=h, status="dry-run" if args.dry_run else ("verified" if r["verified"] else "MISMATCH"),
-              actions="+".join(r["actions"]) or "none", bytes="unknown" if b is None else b, wall_s=r["wall_s"])
+        status = "dry-run" if args.dry_run else ("verified" if r["verified"] else "MISMATCH")
+        event("sync", host=h, status=status, actions="+".join(r["actions"]) or "none",
+              bytes="unknown" if b is None else b, wall_s=r["wall_s"])
         for f in sorted(set(r.get("mismatches", [])) - set(local_bad)):
             rc = die(RunbookError(f"{h}: {f} does not match the local copy after sync; check the host's disk "
                                   f"(df -h {root}) and re-run make sync", "sync-verify"))
         rc = rc or int(r["verified"] is False)
 
-    report = {"remote_root": root, "dataset": args.dataset, "model": args.model, "hosts": results, "ok": rc == 0,
-              "local_dataset_errors": local_bad, "wall_s": round(time.time() - t0, 3), "ts": time.strftime("%FT%T%z")}
+    report = {"remote_root": root, "dataset": args.dataset, "model": args.model, "hosts": results,
+              "ok": rc == 0, "local_dataset_errors": local_bad, "wall_s": round(time.time() - t0, 3),
+              "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if args.run and not args.dry_run:
         atomic.write_json(paths.run_dir(args.run) / "sync.json", report)
     event("sync-summary", hosts=len(hosts), ok=rc == 0, wall_s=report["wall_s"])
