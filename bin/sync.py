@@ -38,8 +38,7 @@ from lib.hashing import iter_files, sha256_file, tree_hashes  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 from lib.remote import CONTROL_ENV, close_masters, rsh, run_on  # noqa: E402
 
-CODE_DIRS = ["bin", "lib", "configs"]  # a host's files here that this checkout lacks are deleted
-CODE = [*CODE_DIRS, "Makefile", "requirements.lock"]
+CODE = ["bin", "lib", "configs", "Makefile", "requirements.lock"]  # PROBE_SH lists the 3 folders' files
 SWAP_TIMEOUT, LONG_TIMEOUT, RSYNC_IO_TIMEOUT = 60, 3600, 300  # s; LONG: a probe (it hashes GBs) or an rsync
 MODEL_LOCK = threading.Lock()
 HOME_RE = re.compile(r"^/(root|var/root|home/[^/]+|Users/[^/]+)/?$")
@@ -51,14 +50,14 @@ CHANGE_RE = re.compile(r"^(?!\.d)[<>ch.*][fdLDS*]")  # --itemize-changes lines b
 # --append-verify, --delete-delay, --delete-excluded (3.x hangs on it against openrsync), -R with --delete
 # (openrsync to 3.x skips subfolders), --max-delete (2.6.9: 0 = no limit, over it only warns).
 
-# The probe, also the check after a transfer. $1 root; $2 rw (create root/datasets and root/$3, remove
-# a killed sync's staging folder beside $4) or ro; $4 the dataset folder to list (or -); then files to
-# hash (as ./path: never an option), `--exists`, files only to look for. It lists CODE_DIRS' files (not
+# The probe, also the check after a transfer. $1 root; $2 rw (create root/datasets, remove a killed
+# sync's staging folder beside $3) or ro; $3 the dataset folder to list (or -); then files to hash (as
+# ./path: never an option), `--exists`, files only to look for. It lists the code folders' files (not
 # what rsync excludes) and hashes with the first tool proven on empty input: openssl (3x sha256sum).
 PROBE_SH = r"""
-root=$1; mode=$2; mk=$3; list=$4; shift 4
+root=$1; mode=$2; list=$3; shift 3
 case "$root" in "$HOME"|"${HOME%/}") echo HOMEROOT; exit 0;; esac
-if [ "$mode" = rw ]; then mkdir -p -- "$root/datasets" "$root/$mk" || exit 3; fi
+if [ "$mode" = rw ]; then mkdir -p -- "$root/datasets" || exit 3; fi
 cd "$root" 2>/dev/null || exit 0  # ro, and no REMOTE_ROOT yet: nothing there
 h=; for c in "openssl dgst -sha256 -r" sha256sum "shasum -a 256"; do
   s=$($c </dev/null 2>/dev/null) || continue
@@ -191,7 +190,7 @@ def transfers(host: str, args, plan: dict, before: dict, diff: dict) -> list[tup
     root, name, mrel = plan["root"], args.dataset, plan["model_rel"]
     dest = root if hostfile.is_local(host) else f"{host}:{root}"
     jobs = []
-    if diff["code"] or diff["code_extra"]:  # --delete: only inside CODE_DIRS, never what is excluded
+    if diff["code"] or diff["code_extra"]:  # --delete: inside the code folders, not what is excluded
         jobs.append(("code", ["--checksum", "--delete", "--exclude=__pycache__", "--exclude=*.pyc",
                               "--exclude=.*", *CODE, f"{dest}/"]))
     if diff["dataset"] or diff["extra"]:
@@ -203,7 +202,7 @@ def transfers(host: str, args, plan: dict, before: dict, diff: dict) -> list[tup
         check = ["--checksum"] if args.dry_run or set(diff["dataset"]) & set(before["hash"]) else []
         jobs.append(("dataset", [*check, *link, *only, f"datasets/{name}/", f"{dest}/{into}/"]))
     if diff["model"]:
-        jobs.append(("model", ["--delay-updates", f"{mrel}/", f"{dest}/{mrel}/"]))
+        jobs.append(("model", ["-R", "--delay-updates", f"{mrel}/", f"{dest}/"]))  # -R: creates models/
     return jobs
 
 
@@ -216,9 +215,8 @@ def sync_host(host: str, args, plan: dict) -> dict:
         return dict(rec, actions=["none: destination is the source"], verified=not bad, mismatches=bad,
                     wall_s=round(time.monotonic() - t0, 3))
 
-    # 1. probe (it creates REMOTE_ROOT and the folders the transfers land in, except on a dry run)
-    mkdir = os.path.dirname(mrel) if mrel and os.path.dirname(mrel) else "datasets"
-    before = probe(host, root, ["ro" if args.dry_run else "rw", mkdir, f"datasets/{name}",
+    # 1. probe (it creates REMOTE_ROOT/datasets, except on a dry run)
+    before = probe(host, root, ["ro" if args.dry_run else "rw", f"datasets/{name}",
                                *plan["code"], *plan["expected"], "--exists", *plan["model_files"]])
     rec["before"] = diff = {"code": [f for f, h in plan["code"].items() if before["hash"].get(f) != h],
                             "dataset": [f for f, h in plan["expected"].items() if before["hash"].get(f) != h],
@@ -254,7 +252,7 @@ def sync_host(host: str, args, plan: dict) -> dict:
               for f in plan["expected"]} if "dataset" in rec["actions"] else {}
     sent, bad = [*(plan["code"] if "code" in rec["actions"] else []), *mh, *staged], set()
     if sent:
-        after = probe(host, root, ["ro", "-", "-", *sent])
+        after = probe(host, root, ["ro", "-", *sent])
         bad = {f for s, f in staged.items() if after["hash"].get(s) != want[f]}
         if staged and not bad:
             r = run_on(host, ["sh", "-c", SWAP_SH, "sh", root, name], timeout=SWAP_TIMEOUT)
