@@ -2,8 +2,7 @@
 """sync: code, dataset (and model) to the same absolute path on every host, verified by sha256.
 
 Usage:
-    python bin/sync.py --hostfile HOSTFILE --remote-root DIR --dataset NAME [--model PATH] [--sync-model]
-        [--dry-run] [--run RUN] [--max-delete N] [--bwlimit KBPS] [--rsync PATH] [--rsync-path PATH]
+    python bin/sync.py --hostfile HOSTFILE --remote-root DIR --dataset NAME [--model PATH] [--dry-run] ...
 
 Example:
     python bin/sync.py --hostfile hostfile.json --remote-root /Users/op/thunder-runbook \
@@ -22,7 +21,6 @@ import argparse
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -174,36 +172,10 @@ def rsync(host: str, args, rsync_args: list[str]) -> tuple[int | None, list[str]
             *([f"--rsync-path={args.rsync_path}"] if args.rsync_path else []),
             *(["--dry-run"] if args.dry_run else []),
             *([f"--bwlimit={args.bwlimit}"] if args.bwlimit else []), *rsync_args]
-    try:
-        p = subprocess.run(argv, cwd=paths.ROOT, capture_output=True, text=True, timeout=LONG_TIMEOUT,
-                           stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as e:
-        raise RunbookError(f"{host}: {args.rsync} timed out after {e.timeout:g} s", "sync-ssh") from e
-    if p.returncode != 0:
-        raise RunbookError(f"{host}: {args.rsync} exited {p.returncode}: {p.stderr.strip()[:600]}",
-                           "sync-ssh")
-    return bytes_sent(p.stdout), [ln for ln in p.stdout.splitlines() if CHANGE_RE.match(ln)]
-
-
-def transfers(host: str, args, plan: dict, before: dict, diff: dict) -> list[tuple[str, list[str]]]:
-    """(kind, rsync arguments) for what this host lacks: code, dataset, model."""
-    root, name, mrel = plan["root"], args.dataset, plan["model_rel"]
-    dest = root if hostfile.is_local(host) else f"{host}:{root}"
-    jobs = []
-    if diff["code"] or diff["code_extra"]:  # --delete: inside the code folders, not what is excluded
-        jobs.append(("code", ["--checksum", "--delete", "--exclude=__pycache__", "--exclude=*.pyc",
-                              "--exclude=.*", *CODE, f"{dest}/"]))
-    if diff["dataset"] or diff["extra"]:
-        # The manifest's files into a fresh staging folder (dry run: the live one), unchanged ones
-        # hard-linked; --checksum when a same-sized damaged file could pass rsync's quick check.
-        only = [f"--include=/{f.rsplit('/', 1)[1]}" for f in plan["expected"]] + ["--exclude=*"]
-        into = f"datasets/{name}" if args.dry_run else f"datasets/.{name}.incoming"
-        link = [] if args.dry_run else [f"--link-dest={root}/datasets/{name}"]
-        check = ["--checksum"] if args.dry_run or set(diff["dataset"]) & set(before["hash"]) else []
-        jobs.append(("dataset", [*check, *link, *only, f"datasets/{name}/", f"{dest}/{into}/"]))
-    if diff["model"]:
-        jobs.append(("model", ["-R", "--delay-updates", f"{mrel}/", f"{dest}/"]))  # -R: creates models/
-    return jobs
+    r = run_on(host, argv, timeout=LONG_TIMEOUT, local=True)  # here, in the repo (main's chdir)
+    if not r.ok:
+        raise RunbookError(f"{host}: rsync exited {r.returncode}: {r.stderr.strip()[:500]}", "sync-ssh")
+    return bytes_sent(r.stdout), [ln for ln in r.stdout.splitlines() if CHANGE_RE.match(ln)]
 
 
 def sync_host(host: str, args, plan: dict) -> dict:
@@ -231,7 +203,20 @@ def sync_host(host: str, args, plan: dict) -> dict:
                            "check REMOTE_ROOT and DATASET, move them away, or raise it", "sync-refused")
 
     # 2. transfer what differs: code, dataset and model at once
-    jobs = transfers(host, args, plan, before, diff)
+    dest, jobs = root if hostfile.is_local(host) else f"{host}:{root}", []
+    if diff["code"] or diff["code_extra"]:  # --delete: inside the code folders, not what is excluded
+        jobs.append(("code", ["--checksum", "--delete", "--exclude=__pycache__", "--exclude=*.pyc",
+                              "--exclude=.*", *CODE, f"{dest}/"]))
+    if diff["dataset"] or diff["extra"]:
+        # The manifest's files into a fresh staging folder (dry run: the live one), unchanged ones
+        # hard-linked; --checksum when a same-sized damaged file could pass rsync's quick check.
+        only = [f"--include=/{f.rsplit('/', 1)[1]}" for f in plan["expected"]] + ["--exclude=*"]
+        into = f"datasets/{name}" if args.dry_run else f"datasets/.{name}.incoming"
+        link = [] if args.dry_run else [f"--link-dest={root}/datasets/{name}"]
+        check = ["--checksum"] if args.dry_run or set(diff["dataset"]) & set(before["hash"]) else []
+        jobs.append(("dataset", [*check, *link, *only, f"datasets/{name}/", f"{dest}/{into}/"]))
+    if diff["model"]:
+        jobs.append(("model", ["-R", "--delay-updates", f"{mrel}/", f"{dest}/"]))  # -R: creates models/
     with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
         done = list(pool.map(lambda j: rsync(host, args, j[1]), jobs))
     sizes = [b for b, _ in done]
@@ -272,6 +257,7 @@ def main() -> int:
     except RunbookError as e:
         return die(e, 2)
     root, hosts, expected = plan["root"], plan["hosts"], plan["expected"]
+    os.chdir(paths.ROOT)  # rsync sends the repo's relative paths
     os.environ[CONTROL_ENV] = ctl = tempfile.mkdtemp(prefix="thsync-", dir="/tmp")  # a socket path: <= 104 B
     try:  # every host at once, each over one shared ssh connection
         with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
