@@ -48,10 +48,9 @@ CHANGE_RE = re.compile(r"^(?!\.d)[<>ch.*][fdLDS*]")  # --itemize-changes lines b
 # --append-verify, --delete-delay, --delete-excluded (3.x hangs on it against openrsync), -R with --delete
 # (openrsync to 3.x skips subfolders), --max-delete (2.6.9: 0 = no limit, over it only warns).
 
-# The probe, also the check after a transfer. $1 root; $2 rw (create root/datasets, remove a killed
-# sync's staging folder beside $3) or ro; $3 the dataset folder to list (or -); then files to hash (as
-# ./path: never an option), `--exists`, files only to look for. It lists the code folders' files (not
-# what rsync excludes) and hashes with the first tool proven on empty input: openssl (3x sha256sum).
+# The probe (and the check after a transfer): $1 root; $2 rw (create root/datasets, remove a killed sync's
+# staging copy of $3) or ro; $3 the dataset folder to list (or -); then files to hash (as ./path), --exists,
+# files to look for. It lists the code folders' files and hashes with the first tool proven on empty input.
 PROBE_SH = r"""
 root=$1; mode=$2; list=$3; shift 3
 case "$root" in "$HOME"|"${HOME%/}") echo HOMEROOT; exit 0;; esac
@@ -121,8 +120,6 @@ def load_plan(args) -> dict:
     expected = {f"{d}/{f}": m["sha256"] for f, m in sorted(read_manifest(paths.ROOT / d)["files"].items())}
     expected[f"{d}/manifest.json"] = sha256_file(paths.ROOT / d / "manifest.json")
     code, mrel = tree_hashes(paths.ROOT, CODE), model_rel(args.model)
-    if mrel:
-        paths.require_complete(paths.ROOT / mrel, args.model, "sync-model")
     model_files = iter_files(paths.ROOT, [mrel]) if mrel else []
     if bad := [f for f in [*code, *expected, *model_files] if any(c in f for c in "\n\r\\")]:
         raise RunbookError(f"{bad[0]!r} refused: a name with a newline or backslash (no host can verify it); "
@@ -132,7 +129,7 @@ def load_plan(args) -> dict:
 
 
 def model_rel(model: str) -> str | None:
-    """The model's path in the repo (refused outside it), or None for a hub id (each host resolves it)."""
+    """The complete model's path in the repo (refused elsewhere), or None for a hub id (hosts resolve it)."""
     if not model or not (paths.ROOT / model).exists():
         if model.startswith((".", "/")):
             raise RunbookError(f"MODEL {model} does not exist here", "sync-model")
@@ -141,11 +138,12 @@ def model_rel(model: str) -> str | None:
     if rel.split("/")[0] == "..":
         raise RunbookError(f"MODEL {model} is outside the repo, so it would land outside REMOTE_ROOT; "
                            "move or link it under models/", "sync-model")
+    paths.require_complete(paths.ROOT / rel, model, "sync-model")
     return rel
 
 
 def probe(host: str, root: str, args: list[str]) -> dict:
-    """Run PROBE_SH (args: mode, mkdir, folder to list, files...); {hash: {path: sha256}, live, exists}."""
+    """Run PROBE_SH (args: mode, dataset folder, files...): {hash: {path: sha256}, live, code, exists}."""
     r = run_on(host, ["sh", "-c", PROBE_SH, "sh", root, *args], timeout=LONG_TIMEOUT)
     if not r.ok:
         raise RunbookError(f"{host}: probe failed (exit {r.returncode}): {r.stderr.strip()[:400]}",
@@ -250,8 +248,7 @@ def sync_host(host: str, args, plan: dict) -> dict:
 
 
 def main() -> int:
-    args = build_parser().parse_args()
-    t0 = time.time()
+    args, t0 = build_parser().parse_args(), time.time()
     try:  # every refusal comes before any ssh or rsync
         plan = load_plan(args)
     except RunbookError as e:
@@ -289,7 +286,6 @@ def main() -> int:
         for f in sorted(set(r.get("mismatches", [])) - set(local_bad)):
             rc = die(RunbookError(f"{h}: {f} does not match the local copy after sync; check the host's disk "
                                   f"(df -h {root}) and re-run make sync", "sync-verify"))
-        rc = rc or int(r["verified"] is False)
 
     report = {"remote_root": root, "dataset": args.dataset, "model": args.model, "hosts": results,
               "ok": rc == 0, "local_dataset_errors": local_bad, "wall_s": round(time.time() - t0, 3),
