@@ -17,7 +17,6 @@ import os
 import platform
 import re
 import secrets
-import subprocess
 import sys
 import threading
 import time
@@ -119,13 +118,12 @@ def wheelhouse() -> Path | None:
     if not d.is_dir():  # atomic_dir: a folder there is complete
         try:
             with atomic.atomic_dir(d) as tmp:
-                subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-input", "--no-deps",
-                                "--disable-pip-version-check", "--require-hashes", "-r", LOCK, "-d", tmp],
-                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT,
-                               check=True)
-        except (OSError, subprocess.SubprocessError) as e:
-            why = " | ".join(str(getattr(e, "stderr", None) or e).strip().splitlines()[-3:])[:400]
-            print(f"  wheelhouse: cannot download the lock's wheels here ({why}); hosts use their index")
+                argv = [sys.executable, "-m", "pip", "download", "--quiet", "--no-input", "--no-deps",
+                        "--disable-pip-version-check", "--require-hashes", "-r", str(LOCK), "-d", str(tmp)]
+                if not (r := run_on("here", argv, timeout=TIMEOUT, local=True)).ok:
+                    raise OSError(" | ".join(r.stderr.strip().splitlines()[-3:])[:400])
+        except OSError as e:
+            print(f"  wheelhouse: cannot download the lock's wheels here ({e}); hosts use their index")
             return None
     print(f"  wheelhouse: {len(list(d.glob('*.whl')))} wheels in {paths.rel(d)}", flush=True)
     return d
@@ -148,9 +146,9 @@ def ship_wheels(host: str, venv: str) -> tuple[str, str]:
         house = wheelhouse()
     if house is None or is_local(host):
         return str(house or ""), ""
-    p = subprocess.run(["rsync", "-a", "--delete", "-e", rsh(), f"{house}/", f"{host}:{venv}.wheels/"],
-                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT)
-    return f"{venv}.wheels", p.returncode and f"rsync to {host} exited {p.returncode}: {p.stderr[-200:]}"
+    r = run_on(host, ["rsync", "-a", "--delete", "-e", rsh(), f"{house}/", f"{host}:{venv}.wheels/"],
+               timeout=TIMEOUT, local=True)
+    return f"{venv}.wheels", r.returncode and f"rsync to {host} exited {r.returncode}: {r.stderr[-200:]}"
 
 
 def provision_host(host: str, args, venv: str, lock: str, marker: str) -> bool:
