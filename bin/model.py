@@ -1,11 +1,8 @@
 #!/usr/bin/env python3
 """model: fetch a model from the Hugging Face Hub into MODEL, recording where it came from.
 
-Usage:
-    python bin/model.py --repo ORG/NAME --out DIR [--revision REV] [--quantize 4|8] [--replace]
-
-Example:
-    make model HF_REPO=mlx-community/gemma-4-e2b-it-4bit MODEL=models/gemma-4-e2b-4bit
+Usage: python bin/model.py --repo ORG/NAME --out DIR [--revision REV] [--quantize 4|8] [--replace]
+Example: make model HF_REPO=mlx-community/gemma-4-e2b-it-4bit MODEL=models/gemma-4-e2b-4bit
 
 The revision is pinned to its commit; the files mlx-lm loads are copied (or quantized by mlx-lm's
 convert); DIR/provenance.json records repo, commit, each file's sha256, quantization and tools. Offline
@@ -25,18 +22,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, paths  # noqa: E402
-from lib.hashing import sha256_file  # noqa: E402
+from lib.hashing import tree_hashes  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 
 ANCHOR, GROUP_SIZE = "model", 64
 REPLACE = "refusing to replace it; on purpose: make model ... REPLACE=1 (--replace); or choose another MODEL"
-HUB_FIX = ("check the repository id and revision on huggingface.co (a gated model: accept its licence there "
-           "and run `hf auth login`); with HF_HUB_OFFLINE=1 the Hugging Face cache (HF_HOME) must already "
-           "hold it: fetch once where the Hub is reachable")
+HUB_FIX = ("check the repository id and revision on huggingface.co (gated: accept its licence there, `hf "
+           "auth login`); with HF_HUB_OFFLINE=1 the cache (HF_HOME) must hold it: fetch it where online")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repo", required=True, help="Hugging Face repository id, e.g. google/gemma-4-E2B-it")
     p.add_argument("--out", required=True, type=Path, help="the model folder to write (MODEL)")
     p.add_argument("--revision", default="main", help="branch, tag or commit (default main)")
@@ -57,9 +53,8 @@ def hub(what: str, call, *args, **kw):
 
 
 def hashes(folder: Path) -> dict[str, str]:
-    """{relative path: sha256} of every file but provenance.json."""
-    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.relative_to(folder).as_posix() != "provenance.json"}
+    """{relative path: sha256} of every file but provenance.json (and hidden ones, as sync skips them)."""
+    return {f: h for f, h in tree_hashes(folder, ["."]).items() if f != "provenance.json"}
 
 
 def describe(repo: str, commit: str, quant: dict | None) -> str:
@@ -68,9 +63,7 @@ def describe(repo: str, commit: str, quant: dict | None) -> str:
 
 
 def already_there(out: Path, repo: str, commit: str, quant: dict | None) -> bool:
-    """True when out holds exactly this model; a RunbookError when it holds anything else."""
-    if not out.exists():
-        return False
+    """True when out (which exists) holds exactly this model; a RunbookError if it holds anything else."""
     try:
         prov = json.loads((out / "provenance.json").read_text(encoding="utf-8"))
         have, files = (prov["repo"], prov["commit"], prov["quantization"]), prov["files"]
@@ -90,13 +83,14 @@ def already_there(out: Path, repo: str, commit: str, quant: dict | None) -> bool
 def main() -> int:
     args = build_parser().parse_args()
     from huggingface_hub import HfApi, constants, snapshot_download
+    from mlx_lm import convert
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
     quant = args.quantize and {"bits": args.quantize, "group_size": GROUP_SIZE, "mode": "affine",
                                "by": "mlx_lm.convert"}
     try:  # the commit a branch or tag points to now (offline: the one the cache's refs/ recorded)
         commit = hub(f"cannot resolve {args.repo}@{args.revision}", HfApi().resolve_revision, args.repo,
                      revision=args.revision, local_files_only=constants.HF_HUB_OFFLINE).resolved
-        if not args.replace and already_there(args.out, args.repo, commit, quant):
+        if not args.replace and args.out.exists() and already_there(args.out, args.repo, commit, quant):
             event("model", status="unchanged", repo=args.repo, revision=args.revision, commit=commit,
                   out=paths.rel(args.out), note="same repo, commit, quantization and bytes: nothing to do")
             return 0
@@ -118,8 +112,6 @@ def main() -> int:
                 raise RunbookError(f"{name} is already quantized ({config.get('quantization')}): drop "
                                    "QUANTIZE, or fetch its bf16 original and quantize that", ANCHOR)
             else:
-                from mlx_lm import convert
-
                 tmp.rmdir()  # convert writes a folder that does not exist yet; its [INFO] lines to stderr
                 with contextlib.redirect_stdout(sys.stderr):
                     convert(hf_path=str(snapshot), mlx_path=str(tmp), quantize=True, q_bits=args.quantize,
