@@ -35,9 +35,8 @@ from lib.remote import rsh, run_on  # noqa: E402
 LOCK = paths.ROOT / "requirements.lock"
 XY, TIMEOUT = "{}.{}".format(*sys.version_info), 1800  # this Python's X.Y; seconds per host and step
 PRINT, WHEELS = threading.Lock(), threading.Lock()  # one host's lines at a time; the wheels fetched once
-# Where interpreters live that are not venvs: never a venv to create or replace.
 SYSTEM_PREFIXES = {"/usr", "/usr/local", "/opt/homebrew", "/opt/local", "/opt/homebrew/opt", "/System",
-                   "/Library/Frameworks", "/Applications", "/Users", "/home", "/root", "/var/root"}
+                   "/Library/Frameworks", "/Applications", "/Users", "/home", "/root", "/var/root"}  # no venv
 # What FIND_SH asks each candidate Python: X.Y, then the facts (real path, version, platform, machine).
 FACTS = ("import os, platform as p, sys; print('%d.%d' % sys.version_info[:2], "
             "os.path.realpath(sys.executable), p.python_version(), sys.platform, p.machine())")
@@ -101,10 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def venv_of(python: str) -> str:
     """PYTHON's venv folder; refused unless PYTHON is <venv>/bin/python* outside a system prefix."""
-    venv, fix = os.path.normpath(str(Path(check_path(python, "PYTHON")).parent.parent)), "provision creates"
+    venv = os.path.normpath(str(Path(check_path(python, "PYTHON")).parent.parent))
     if Path(python).parent.name != "bin" or not re.match(r"^python(3(\.\d+)?)?$", Path(python).name):
-        raise RunbookError(f"PYTHON {python} is not a venv interpreter (<venv>/bin/python): {fix} the venv, "
-                           "so PYTHON must name one, e.g. $(REMOTE_ROOT)/.venv/bin/python", "provision")
+        raise RunbookError(f"PYTHON {python} is not a venv interpreter (<venv>/bin/python), which provision "
+                           "creates: name one, e.g. $(REMOTE_ROOT)/.venv/bin/python", "provision")
     if venv in SYSTEM_PREFIXES or venv.count("/") < 2:
         raise RunbookError(f"PYTHON {python} is a system interpreter ({venv}), not a venv's: provision would "
                            "replace that folder; use one, e.g. $(REMOTE_ROOT)/.venv/bin/python", "provision")
