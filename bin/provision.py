@@ -39,7 +39,7 @@ SYSTEM_PREFIXES = {"/usr", "/usr/local", "/opt/homebrew", "/opt/local", "/opt/ho
                    "/Library/Frameworks", "/Applications", "/Users", "/home", "/root", "/var/root"}  # no venv
 # What FIND_SH asks each candidate Python: X.Y, then the facts (real path, version, platform, machine).
 FACTS = ("import os, platform as p, sys; print('%d.%d' % sys.version_info[:2], "
-            "os.path.realpath(sys.executable), p.python_version(), sys.platform, p.machine())")
+         "os.path.realpath(sys.executable), p.python_version(), sys.platform, p.machine())")
 # Constant scripts, values only as positional arguments; "@@ " lines are facts, the rest is shown.
 # FIND_SH $1 = X.Y, $2 = base python, $3 = venv, $4 = self-marker, $5 = FACTS: "@@ self", or X.Y's facts.
 FIND_SH = r"""
@@ -78,9 +78,8 @@ start=$(date +%s)
 "$vpy" -m pip check </dev/null || { echo "@@ error pip-check"; exit 28; }
 echo "@@ installed $(( $(date +%s) - start ))"
 """
-FIXES = {"no-python": "install Python {want} on the host (macOS: brew install python@{want}; Debian/Ubuntu: "
-                       "apt-get install python{want} python{want}-venv), or name it with "
-                       "BASE_PYTHON=/path/to/python{want}",
+FIXES = {"no-python": "install Python {want} there (macOS: brew install python@{want}; Debian/Ubuntu: apt-get "
+                       "install python{want}-venv), or name it: BASE_PYTHON=/path/to/python{want}",
          "not-a-venv": "PYTHON's folder exists but is not a venv: move it away or point PYTHON elsewhere",
          "venv-failed": "the host's Python cannot create a venv (Debian: apt-get install python{want}-venv)",
          "pip-install": "pip could not install the lock: no index access, and not this machine's platform",
