@@ -78,8 +78,8 @@ start=$(date +%s)
 "$vpy" -m pip check </dev/null || { echo "@@ error pip-check"; exit 28; }
 echo "@@ installed $(( $(date +%s) - start ))"
 """
-FIXES = {"no-python": "install Python {want} there (macOS: brew install python@{want}; Debian/Ubuntu: apt-get "
-                       "install python{want}-venv), or name it: BASE_PYTHON=/path/to/python{want}",
+FIXES = {"no-python": "install Python {want} there (macOS: brew install python@{want}; Debian/Ubuntu: apt-get"
+                       " install python{want}-venv), or name it: BASE_PYTHON=/path/to/python{want}",
          "not-a-venv": "PYTHON's folder exists but is not a venv: move it away or point PYTHON elsewhere",
          "venv-failed": "the host's Python cannot create a venv (Debian: apt-get install python{want}-venv)",
          "pip-install": "pip could not install the lock: no index access, and not this machine's platform",
