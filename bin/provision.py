@@ -138,17 +138,6 @@ def run_sh(host: str, script: str, argv: list[str], stdin_text: str, timeout: fl
     return -9 if r.timed_out else r.returncode, facts
 
 
-def ship_wheels(host: str, venv: str) -> tuple[str, str]:
-    """(the wheel folder the host installs from, or "" for its index; an error): beside the venv."""
-    with WHEELS:  # downloaded by the first host that needs them
-        house = wheelhouse()
-    if house is None or is_local(host):
-        return str(house or ""), ""
-    r = run_on(host, ["rsync", "-a", "--delete", "-e", rsh(), f"{house}/", f"{host}:{venv}.wheels/"],
-               timeout=TIMEOUT, local=True)
-    return f"{venv}.wheels", r.returncode and f"rsync to {host} exited {r.returncode}: {r.stderr[-200:]}"
-
-
 def provision_host(host: str, args, venv: str, lock: str, marker: str) -> bool:
     """One host: find Python X.Y, ship wheels, build or repair the venv, print the outcome; True if ready."""
     t0, wheels, base = time.monotonic(), "", "?"
@@ -162,8 +151,14 @@ def provision_host(host: str, args, venv: str, lock: str, marker: str) -> bool:
         real, version, plat, machine = (facts.get("facts", "") + " ? ? ? ?").split()[:4]
         base = f"{real}@{version}"
         if (plat, machine, args.python_version) == (sys.platform, platform.machine(), XY):
-            wheels, facts["error"] = ship_wheels(host, venv)
-            rc = 30 if facts["error"] else 0
+            with WHEELS:  # downloaded by the first host that needs them
+                house = wheelhouse()
+            wheels = f"{venv}.wheels" if house and not is_local(host) else str(house or "")
+            if wheels == f"{venv}.wheels":  # this machine's wheels, shipped beside the venv
+                r = run_on(host, ["rsync", "-a", "--delete", "-e", rsh(), f"{house}/", f"{host}:{wheels}/"],
+                           timeout=TIMEOUT, local=True)
+                if not r.ok:
+                    rc, facts["error"] = 30, f"wheels: rsync exited {r.returncode}: {r.stderr[-200:]}"
         if rc == 0:
             rc, facts = run_sh(host, PROVISION_SH, [args.python_version, venv, facts["base"],
                                                     "1" if args.recreate else "0", wheels], lock, TIMEOUT)
