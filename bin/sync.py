@@ -2,30 +2,25 @@
 """sync: code, dataset (and model) to the same absolute path on every host, verified by sha256.
 
 Usage:
-    python bin/sync.py --hostfile HOSTFILE --remote-root DIR --dataset NAME [--model PATH] [--sync-model]
-        [--dry-run] [--run RUN] [--max-delete N] [--bwlimit KBPS] [--rsync PATH] [--rsync-path PATH]
+    python bin/sync.py --hostfile HOSTFILE --remote-root DIR --dataset NAME [--model PATH] [--dry-run] ...
 
 Example:
     python bin/sync.py --hostfile hostfile.json --remote-root /Users/op/thunder-runbook \
         --dataset domain_sft_v1_high_signal_thunder --model models/tiny-gemma4 --run stage1
 
-Per host, in parallel, over one ssh connection: a probe (refuses a REMOTE_ROOT that is the host's
-$HOME, creates REMOTE_ROOT, hashes the host's copy with openssl, sha256sum or shasum); rsync of what
-differs (the dataset into datasets/.NAME.incoming, unchanged files hard-linked); a hash of all that
-was sent; the staging dataset renamed into place only if all of it matches the local manifest (a
-killed sync or bad copy leaves the old one live). A no-op re-sync is the probe alone. rsync 3.x,
-macOS's 2.6.9 and openrsync work at either end. Writes runs/<RUN>/sync.json. Exit: 0 ok, 1 a host
-failed, 2 refused.
+Per host, in parallel, over one ssh connection: a probe hashes the host's copy; rsync sends what
+differs (the dataset into datasets/.NAME.incoming, unchanged files hard-linked; host code files this
+checkout lacks are deleted); the host hashes what was sent; the dataset goes live only if all of it
+matches the manifest (a killed sync or bad copy leaves the old one live). A no-op re-sync is the probe
+alone. Writes runs/<RUN>/sync.json. Exit: 0 ok, 1 a host failed, 2 refused.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,34 +32,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, hostfile, paths  # noqa: E402
 from lib.dataset import read_manifest  # noqa: E402
-from lib.hashing import iter_files, sha256_file  # noqa: E402
-from lib.hostfile import check_path, is_local  # noqa: E402
+from lib.hashing import iter_files, sha256_file, tree_hashes  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 from lib.remote import CONTROL_ENV, close_masters, rsh, run_on  # noqa: E402
 
-CODE = ["bin", "lib", "configs", "Makefile", "requirements.lock"]
+CODE = ["bin", "lib", "configs", "Makefile", "requirements.lock"]  # PROBE_SH lists the 3 folders' files
 SWAP_TIMEOUT, LONG_TIMEOUT, RSYNC_IO_TIMEOUT = 60, 3600, 300  # s; LONG: a probe (it hashes GBs) or an rsync
 MODEL_LOCK = threading.Lock()
 HOME_RE = re.compile(r"^/(root|var/root|home/[^/]+|Users/[^/]+)/?$")
 PLAIN_PATH_RE = re.compile(r"^[A-Za-z0-9_./+-]+$")
-HASH_LINE_RE = re.compile(r"^([0-9a-f]{64}) [ *]\./(.+)$")  # openssl -r: `<hex> *./f`; the others `<hex>  ./f`
-# rsync 3.x `Total bytes sent: 1,234`, 2.6.9 `...: 1234`, openrsync `Total sent: 278 B` (-h: 1.2 MB, -hh: MiB)
-SENT_RE = re.compile(r"^Total (?:bytes )?sent: ([\d.,']+) ?(?:([KMGTPE]?)(i?)B?)$", re.M)
-CHANGE_RE = re.compile(r"^[<>ch.*][fdLDS*]")  # --itemize-changes lines (`*deleting` included)
-# Only options rsync 3.x, 2.6.9 and openrsync share. Not --info, --mkpath, -s, --append-verify (not in
-# 2.6.9 nor openrsync), --delete-delay (2.6.9), --delete-excluded (3.x hangs on it against openrsync),
-# --max-delete (2.6.9: 0 = no limit, over it only warns): the swap alone deletes, what the probe listed.
+HASH_LINE_RE = re.compile(r"^([0-9a-f]{64}) [ *]\./(.+)$")  # `<hex> *./f` (openssl -r) or `<hex>  ./f`
+SENT_RE = re.compile(r"^Total (?:bytes )?sent: ([\d.,']+)(?: B)?$", re.M)
+CHANGE_RE = re.compile(r"^(?!\.d)[<>ch.*][fdLDS*]")  # --itemize-changes lines but folders (`*deleting` too)
+# Only options rsync 3.x, macOS's 2.6.9 and openrsync share, at either end: not --info, --mkpath, -s,
+# --append-verify, --delete-delay, --delete-excluded (3.x hangs on it against openrsync), -R with --delete
+# (openrsync to 3.x skips subfolders), --max-delete (2.6.9: 0 = no limit, over it only warns).
 
-# The probe, also the check after a transfer: $1 root; $2 rw (create root/datasets and root/$3,
-# remove a killed sync's staging folder beside $4) or ro (change nothing); $4 the dataset folder to
-# list (or -); then files to hash (as ./path: never an option), `--exists`, files only to look for.
-# Every value is a positional argument of the constant script. It hashes with the fastest sha256
-# the host has, proven on empty input first: `openssl dgst` (the CPU's SHA instructions, 3x
-# coreutils' sha256sum here), then sha256sum, then macOS's shasum.
+# The probe (and the check after a transfer): $1 root; $2 rw (create root/datasets, remove a killed sync's
+# staging copy of $3) or ro; $3 the dataset folder to list (or -); then files to hash (as ./path), --exists,
+# files to look for. It lists the code folders' files and hashes with the first tool proven on empty input.
 PROBE_SH = r"""
-root=$1; mode=$2; mk=$3; list=$4; shift 4
+root=$1; mode=$2; list=$3; shift 3
 case "$root" in "$HOME"|"${HOME%/}") echo HOMEROOT; exit 0;; esac
-if [ "$mode" = rw ]; then mkdir -p -- "$root/datasets" "$root/$mk" || exit 3; fi
+if [ "$mode" = rw ]; then mkdir -p -- "$root/datasets" || exit 3; fi
 cd "$root" 2>/dev/null || exit 0  # ro, and no REMOTE_ROOT yet: nothing there
 h=; for c in "openssl dgst -sha256 -r" sha256sum "shasum -a 256"; do
   s=$($c </dev/null 2>/dev/null) || continue
@@ -72,6 +62,8 @@ h=; for c in "openssl dgst -sha256 -r" sha256sum "shasum -a 256"; do
 done
 if [ -z "$h" ]; then echo "no working sha256 tool (openssl, sha256sum or shasum) on this host" >&2; exit 3; fi
 if [ "$list" != - ] && [ -d "$list" ]; then ls -A -- "$list" | sed 's/^/LIVE /'; fi
+find bin lib configs \( -name '.*' -o -name __pycache__ -o -name '*.pyc' \) -prune -o ! -type d -print \
+  2>/dev/null | sed 's/^/CODE /'
 if [ "$mode" = rw ] && [ "$list" != - ]; then rm -rf -- "${list%/*}/.${list##*/}.incoming"; fi
 exists=; for f; do
   shift
@@ -83,11 +75,11 @@ done
 if [ $# -gt 0 ]; then $h "$@" || exit 3; fi
 """
 
-# The swap, once the staging copy verified: $1 root, $2 dataset name. If an earlier swap was cut
-# between its two renames, the aside copy is put back first.
+# The swap of a verified staging copy: $1 root, $2 dataset. A swap cut between its renames is undone first.
 SWAP_SH = r"""set -e; cd "$1/datasets"; n=$2
 if [ ! -e "$n" ] && [ -d ".$n.previous" ]; then mv ".$n.previous" "$n"; fi
-rm -rf ".$n.previous"; if [ -e "$n" ]; then mv "$n" ".$n.previous"; fi; mv ".$n.incoming" "$n"; rm -rf ".$n.previous"
+rm -rf ".$n.previous"; if [ -e "$n" ]; then mv "$n" ".$n.previous"; fi
+mv ".$n.incoming" "$n"; rm -rf ".$n.previous"
 """
 
 
@@ -100,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-model", action="store_true", help="sync the model even if present")
     p.add_argument("--dry-run", action="store_true", help="print what would change; change nothing")
     p.add_argument("--run", default="", help="run id: writes runs/<RUN>/sync.json")
-    p.add_argument("--max-delete", type=int, default=20, help="most files removed from a host's dataset folder")
+    p.add_argument("--max-delete", type=int, default=20, help="most files deleted on a host (dataset, code)")
     p.add_argument("--bwlimit", type=int, default=0, help="rsync bandwidth limit in KiB/s (0: none)")
     p.add_argument("--rsync", default="rsync", help="the local rsync (e.g. /usr/bin/rsync, openrsync)")
     p.add_argument("--rsync-path", default="", help="the hosts' rsync (default: the one on their PATH)")
@@ -109,8 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_plan(args) -> dict:
     """Every refusal that needs no host, then what goes where: {root, hosts, code, expected, model...}."""
-    check_path(args.remote_root, "REMOTE_ROOT")
-    root = os.path.normpath(args.remote_root)
+    root = os.path.normpath(hostfile.check_path(args.remote_root, "REMOTE_ROOT"))
     if root == "/" or HOME_RE.match(root) or root == os.path.normpath(os.path.expanduser("~")):
         raise RunbookError(f"REMOTE_ROOT {args.remote_root!r} refused: it is / or a home directory itself; "
                            "use a folder inside it, e.g. REMOTE_ROOT=$HOME/thunder-runbook", "sync-refused")
@@ -120,205 +111,163 @@ def load_plan(args) -> dict:
         raise RunbookError(f"--rsync {args.rsync!r}: no such program here; install rsync or pass "
                            "RSYNC=/usr/bin/rsync", "sync-rsync")
     if args.rsync_path and not PLAIN_PATH_RE.match(args.rsync_path):
-        raise RunbookError(f"--rsync-path {args.rsync_path!r} refused: the host's shell reads it, so it must be "
-                           "a plain path (letters, digits, _ . / + -), e.g. RSYNC_PATH=/usr/bin/rsync", "sync-rsync")
+        raise RunbookError(f"--rsync-path {args.rsync_path!r} refused: the host's shell reads it, so only "
+                           "letters, digits and _./+- may be in it: RSYNC_PATH=/usr/bin/rsync", "sync-rsync")
     if args.run:
         paths.check_run_id(args.run)
     hosts = hostfile.load(args.hostfile).unique_ssh()
-    expected = load_manifest(args.dataset)
-    code = {f: sha256_file(paths.ROOT / f) for f in iter_files(paths.ROOT, CODE)}
-    mrel = model_rel(args.model)
+    d = f"datasets/{args.dataset}"
+    expected = {f"{d}/{f}": m["sha256"] for f, m in sorted(read_manifest(paths.ROOT / d)["files"].items())}
+    expected[f"{d}/manifest.json"] = sha256_file(paths.ROOT / d / "manifest.json")
+    code, mrel = tree_hashes(paths.ROOT, CODE), model_rel(args.model)
     model_files = iter_files(paths.ROOT, [mrel]) if mrel else []
-    if mrel:
-        paths.require_complete(paths.ROOT / mrel, args.model, "sync-model")
-    for rel in [*code, *expected, *model_files]:
-        if ".." in Path(rel).parts or any(c in rel for c in "\n\r\\"):
-            raise RunbookError(f"{rel!r} refused: outside REMOTE_ROOT {root}, or a name with a newline or "
-                               "backslash (which no host can verify); rename it", "sync-refused")
+    if bad := [f for f in [*code, *expected, *model_files] if any(c in f for c in "\n\r\\")]:
+        raise RunbookError(f"{bad[0]!r} refused: a name with a newline or backslash (no host can verify it); "
+                           "rename it", "sync-refused")
     return {"root": root, "hosts": hosts, "code": code, "expected": expected, "model_rel": mrel,
             "model_files": model_files}
 
 
 def model_rel(model: str) -> str | None:
-    """The model's path relative to the repo, or None for a Hugging Face id (each host resolves it
-    from its own cache). A local model outside the repo would land outside REMOTE_ROOT: refused."""
+    """The complete model's path in the repo (refused elsewhere), or None for a hub id (hosts resolve it)."""
     if not model or not (paths.ROOT / model).exists():
         if model.startswith((".", "/")):
             raise RunbookError(f"MODEL {model} does not exist here", "sync-model")
         return None  # a hub id such as mlx-community/gemma-4-e2b-it-4bit
-    # not resolved: models/x may link to another disk; it lands as models/x on the hosts
-    rel = os.path.relpath(os.path.normpath(paths.ROOT / model), paths.ROOT)
-    if rel == ".." or rel.startswith("../"):
+    rel = os.path.relpath(os.path.normpath(paths.ROOT / model), paths.ROOT)  # models/x may be a link
+    if rel.split("/")[0] == "..":
         raise RunbookError(f"MODEL {model} is outside the repo, so it would land outside REMOTE_ROOT; "
                            "move or link it under models/", "sync-model")
+    paths.require_complete(paths.ROOT / rel, model, "sync-model")
     return rel
 
 
-def load_manifest(dataset: str) -> dict[str, str]:
-    """{datasets/NAME/file: sha256} from the local manifest (lib.dataset refuses a bad one), plus
-    the manifest itself. Each host's staging copy must hash to these before it is swapped in."""
-    files = read_manifest(paths.DATASETS / dataset)["files"]
-    expected = {f"datasets/{dataset}/{name}": meta["sha256"] for name, meta in sorted(files.items())}
-    expected[f"datasets/{dataset}/manifest.json"] = sha256_file(paths.DATASETS / dataset / "manifest.json")
-    return expected
-
-
-@functools.cache
-def model_hashes(files: tuple[str, ...]) -> dict[str, str]:
-    """Once (under MODEL_LOCK), and only if some host receives the model: gigabytes, not per no-op."""
-    return {f: sha256_file(paths.ROOT / f) for f in files}
-
-
-def probe(host: str, local: bool, root: str, args: list[str]) -> dict:
-    """Run PROBE_SH (args: mode, mkdir, folder to list, files...); {hash: {path: sha256}, live, exists}."""
-    r = run_on(host, ["sh", "-c", PROBE_SH, "sh", root, *args], timeout=LONG_TIMEOUT, local=local)
+def probe(host: str, root: str, args: list[str]) -> dict:
+    """Run PROBE_SH (args: mode, dataset folder, files...): {hash: {path: sha256}, live, code, exists}."""
+    r = run_on(host, ["sh", "-c", PROBE_SH, "sh", root, *args], timeout=LONG_TIMEOUT)
     if not r.ok:
-        raise RunbookError(f"{host}: probe failed (exit {r.returncode}): {r.stderr.strip()[:400]}", "sync-ssh")
+        raise RunbookError(f"{host}: probe failed (exit {r.returncode}): {r.stderr.strip()[:400]}",
+                           "sync-ssh")
     lines = r.stdout.splitlines()
     if "HOMEROOT" in lines:
         raise RunbookError(f"{host}: REMOTE_ROOT {root} is that host's home directory itself; "
                            "use a folder inside it", "sync-refused")
     return {"hash": {m.group(2): m.group(1) for m in map(HASH_LINE_RE.match, lines) if m},
             "live": {ln[5:] for ln in lines if ln.startswith("LIVE ")},
+            "code": {ln[5:] for ln in lines if ln.startswith("CODE ")},
             "exists": {ln[7:] for ln in lines if ln.startswith("EXISTS ")}}
 
 
 def bytes_sent(stats: str) -> int | None:
-    """Bytes sent, from the --stats of rsync 3.x, rsync 2.6.9 or openrsync (None: no such line)."""
+    """Bytes sent, from the --stats of rsync 3.x (`1,234`), 2.6.9 (`1234`), openrsync (`1234 B`), or None."""
     m = SENT_RE.search(stats)
-    if not m or not m.group(2):
-        return int(re.sub(r"[,.']", "", m.group(1))) if m else None
-    scale = (1024 if m.group(3) else 1000) ** ("KMGTPE".index(m.group(2)) + 1)
-    return round(float(m.group(1).replace(",", "")) * scale)
+    return int(re.sub(r"[,.']", "", m.group(1))) if m else None
 
 
 def rsync(host: str, args, rsync_args: list[str]) -> tuple[int | None, list[str]]:
     """Run the local rsync with the unattended ssh; returns (bytes sent, itemized changes)."""
     argv = [args.rsync, "-a", "--itemize-changes", "--stats", f"--timeout={RSYNC_IO_TIMEOUT}", "-e", rsh(),
             *([f"--rsync-path={args.rsync_path}"] if args.rsync_path else []),
-            *(["--dry-run"] if args.dry_run else []), *([f"--bwlimit={args.bwlimit}"] if args.bwlimit else []),
-            *rsync_args]
-    p = subprocess.run(argv, cwd=paths.ROOT, capture_output=True, text=True, timeout=LONG_TIMEOUT,
-                       stdin=subprocess.DEVNULL)
-    if p.returncode != 0:
-        raise RunbookError(f"{host}: {args.rsync} exited {p.returncode}: {p.stderr.strip()[:600]}", "sync-ssh")
-    return bytes_sent(p.stdout), [ln for ln in p.stdout.splitlines() if CHANGE_RE.match(ln) and ln[:2] != ".d"]
+            *(["--dry-run"] if args.dry_run else []),
+            *([f"--bwlimit={args.bwlimit}"] if args.bwlimit else []), *rsync_args]
+    r = run_on(host, argv, timeout=LONG_TIMEOUT, local=True)  # here, in the repo (main's chdir)
+    if not r.ok:
+        raise RunbookError(f"{host}: rsync exited {r.returncode}: {r.stderr.strip()[:500]}", "sync-ssh")
+    return bytes_sent(r.stdout), [ln for ln in r.stdout.splitlines() if CHANGE_RE.match(ln)]
 
 
-def transfers(host: str, args, plan: dict, before: dict, diff: dict) -> list[tuple[str, list[str]]]:
-    """(kind, rsync arguments) for what this host lacks: code, dataset, model."""
-    root, name, mrel = plan["root"], args.dataset, plan["model_rel"]
-    dest = root if is_local(host) else f"{host}:{root}"
-    jobs = []
-    if diff["code"]:
-        jobs.append(("code", ["--checksum", "-R", "--exclude=__pycache__", "--exclude=*.pyc", "--exclude=.*",
-                              *CODE, f"{dest}/"]))
+def sync_host(host: str, args, plan: dict) -> dict:
+    """Probe, transfer what differs, verify, swap. Returns this host's report."""
+    root, name, mrel, t0 = plan["root"], args.dataset, plan["model_rel"], time.monotonic()
+    rec: dict = {"host": host, "transferred_bytes": 0, "changes": [], "actions": []}
+    if hostfile.is_local(host) and Path(root) == paths.ROOT:  # 127.0.0.1 and this repo: only verify
+        bad = sorted(f for f, h in plan["expected"].items() if tree_hashes(paths.ROOT, [f]).get(f) != h)
+        return dict(rec, actions=["none: destination is the source"], verified=not bad, mismatches=bad,
+                    wall_s=round(time.monotonic() - t0, 3))
+
+    # 1. probe (it creates REMOTE_ROOT/datasets, except on a dry run)
+    before = probe(host, root, ["ro" if args.dry_run else "rw", f"datasets/{name}",
+                               *plan["code"], *plan["expected"], "--exists", *plan["model_files"]])
+    rec["before"] = diff = {"code": [f for f, h in plan["code"].items() if before["hash"].get(f) != h],
+                            "dataset": [f for f, h in plan["expected"].items() if before["hash"].get(f) != h],
+                            "extra": sorted(before["live"] - {f.rsplit("/", 1)[1] for f in plan["expected"]}),
+                            "code_extra": sorted(before["code"] - set(plan["code"])),
+                            "model_missing": [f for f in plan["model_files"] if f not in before["exists"]]}
+    diff["model"] = bool(mrel) and (args.sync_model or bool(diff["model_missing"]))
+    gone = [*(f"datasets/{name}/{f}" for f in diff["extra"]), *diff["code_extra"]]
+    if len(gone) > args.max_delete:
+        raise RunbookError(f"{host}: {len(gone)} files that are not in its manifest or this checkout would "
+                           f"go ({', '.join(gone[:5])}, ...): more than --max-delete {args.max_delete}; "
+                           "check REMOTE_ROOT and DATASET, move them away, or raise it", "sync-refused")
+
+    # 2. transfer what differs: code, dataset and model at once
+    dest, jobs = root if hostfile.is_local(host) else f"{host}:{root}", []
+    if diff["code"] or diff["code_extra"]:  # --delete: inside the code folders, not what is excluded
+        jobs.append(("code", ["--checksum", "--delete", "--exclude=__pycache__", "--exclude=*.pyc",
+                              "--exclude=.*", *CODE, f"{dest}/"]))
     if diff["dataset"] or diff["extra"]:
-        # Only the manifest's files, into a fresh staging folder (a dry run: the live one), unchanged
-        # ones hard-linked; --checksum when a same-sized damaged file could pass rsync's quick check.
+        # The manifest's files into a fresh staging folder (dry run: the live one), unchanged ones
+        # hard-linked; --checksum when a same-sized damaged file could pass rsync's quick check.
         only = [f"--include=/{f.rsplit('/', 1)[1]}" for f in plan["expected"]] + ["--exclude=*"]
         into = f"datasets/{name}" if args.dry_run else f"datasets/.{name}.incoming"
         link = [] if args.dry_run else [f"--link-dest={root}/datasets/{name}"]
         check = ["--checksum"] if args.dry_run or set(diff["dataset"]) & set(before["hash"]) else []
         jobs.append(("dataset", [*check, *link, *only, f"datasets/{name}/", f"{dest}/{into}/"]))
     if diff["model"]:
-        jobs.append(("model", ["--delay-updates", f"{mrel}/", f"{dest}/{mrel}/"]))
-    return jobs
-
-
-def sync_host(host: str, args, plan: dict) -> dict:
-    """Probe, transfer what differs, verify, swap. Returns this host's report."""
-    root, name, mrel = plan["root"], args.dataset, plan["model_rel"]
-    local, t0 = is_local(host), time.monotonic()
-    rec: dict = {"host": host, "transferred_bytes": 0, "changes": [], "actions": [], "verified": False}
-    if local and Path(root) == paths.ROOT:  # the embedded default (127.0.0.1, this repo): only verify
-        bad = sorted(f for f, h in plan["expected"].items() if sha256_file(paths.ROOT / f) != h)
-        return dict(rec, actions=["none: destination is the source"], verified=not bad, mismatches=bad,
-                    wall_s=round(time.monotonic() - t0, 3))
-
-    # 1. probe (it creates REMOTE_ROOT and the folders the transfers land in, except on a dry run)
-    mkdir = os.path.dirname(mrel) if mrel and os.path.dirname(mrel) else "datasets"
-    before = probe(host, local, root, ["ro" if args.dry_run else "rw", mkdir, f"datasets/{name}",
-                                       *plan["code"], *plan["expected"], "--exists", *plan["model_files"]])
-    rec["before"] = diff = {"code": [f for f, h in plan["code"].items() if before["hash"].get(f) != h],
-                            "dataset": [f for f, h in plan["expected"].items() if before["hash"].get(f) != h],
-                            "extra": sorted(before["live"] - {f.rsplit("/", 1)[1] for f in plan["expected"]}),
-                            "model_missing": [f for f in plan["model_files"] if f not in before["exists"]]}
-    diff["model"] = bool(mrel) and (args.sync_model or bool(diff["model_missing"]))
-    if len(diff["extra"]) > args.max_delete:
-        raise RunbookError(f"{host}: datasets/{name} holds {len(diff['extra'])} files that are not in its manifest "
-                           f"({', '.join(diff['extra'][:5])}, ...): more than --max-delete {args.max_delete} to "
-                           "delete; check DATASET, move them away, or raise --max-delete", "sync-refused")
-
-    # 2. transfer what differs: code, dataset and model at once
-    jobs = transfers(host, args, plan, before, diff)
+        jobs.append(("model", ["-R", "--delay-updates", f"{mrel}/", f"{dest}/"]))  # -R: creates models/
     with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
-        for kind, sent, changes in pool.map(lambda j: (j[0], *rsync(host, args, j[1])), jobs):
-            total = rec["transferred_bytes"]
-            rec["transferred_bytes"] = None if sent is None or total is None else total + sent
-            rec["changes"] += [f"{kind} {c}" for c in changes]
-            rec["actions"].append(kind)
+        done = list(pool.map(lambda j: rsync(host, args, j[1]), jobs))
+    sizes = [b for b, _ in done]
+    rec.update(transferred_bytes=None if None in sizes else sum(sizes), actions=[k for k, _ in jobs],
+               changes=[f"{k} {c}" for (k, _), (_, changes) in zip(jobs, done, strict=True) for c in changes])
     if args.dry_run:
         rec["changes"] += [f"dataset *deleting {f}" for f in diff["extra"]]
         return dict(rec, verified=None, wall_s=round(time.monotonic() - t0, 3))
 
-    # 3. verify, not trust: hash on the host everything sent; swap the dataset in only if all of
-    # it matches. Files not sent stand on the probe's hashes.
-    with MODEL_LOCK:
-        mh = model_hashes(tuple(plan["model_files"])) if diff["model"] else {}
+    # 3. verify, not trust: the host hashes all that was sent (what was not, the probe hashed: it
+    # matched); the dataset is swapped in only if all of it matches.
+    with MODEL_LOCK:  # the model is hashed here once, and only if some host receives it: gigabytes
+        if diff["model"] and "model" not in plan:
+            plan["model"] = tree_hashes(paths.ROOT, plan["model_files"])
+    mh = plan["model"] if diff["model"] else {}
     want = dict(plan["code"], **plan["expected"], **mh)
     staged = {f"datasets/.{name}.incoming/{f.rsplit('/', 1)[1]}": f
               for f in plan["expected"]} if "dataset" in rec["actions"] else {}
-    sent = [*(plan["code"] if diff["code"] else []), *(plan["model_files"] if diff["model"] else []), *staged]
-    got = dict(before["hash"])
+    sent, bad = [*(plan["code"] if "code" in rec["actions"] else []), *mh, *staged], set()
     if sent:
-        after = probe(host, local, root, ["ro", "-", "-", *sent])["hash"]
-        good = all(after.get(s) == want[f] for s, f in staged.items())
-        if staged and good:
-            r = run_on(host, ["sh", "-c", SWAP_SH, "sh", root, name], local=local, timeout=SWAP_TIMEOUT)
+        after = probe(host, root, ["ro", "-", *sent])
+        bad = {f for s, f in staged.items() if after["hash"].get(s) != want[f]}
+        if staged and not bad:
+            r = run_on(host, ["sh", "-c", SWAP_SH, "sh", root, name], timeout=SWAP_TIMEOUT)
             if not r.ok:
-                raise RunbookError(f"{host}: swapping datasets/.{name}.incoming in failed (exit {r.returncode}): "
-                                   f"{r.stderr.strip()[:400]}", "sync-ssh")
-        got.update({f: after.get(f, "missing") for f in sent if f not in staged})
-        got.update({f: after.get(s, "missing") for s, f in staged.items() if good or after.get(s) != want[f]})
-    mismatches = sorted(f for f, h in want.items() if got.get(f) != h)
-    return dict(rec, verified=not mismatches, mismatches=mismatches, wall_s=round(time.monotonic() - t0, 3))
-
-
-def sync_all(hosts: list[str], args, plan: dict) -> list[dict]:
-    """sync_host on every host at once, each over one shared ssh connection (closed at the end)."""
-    def one(h: str) -> dict:
-        try:
-            return sync_host(h, args, plan)
-        except RunbookError as e:
-            return {"host": h, "error": str(e)}
-        except subprocess.TimeoutExpired as e:
-            return {"host": h, "error": f"{h}: rsync timed out after {e.timeout:g} s; see RUNBOOK.md#sync-ssh"}
-
-    os.environ[CONTROL_ENV] = ctl = tempfile.mkdtemp(prefix="thsync-", dir="/tmp")  # a socket path: <= 104 B
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
-            return list(pool.map(one, hosts))
-    finally:
-        close_masters(hosts)
-        os.environ.pop(CONTROL_ENV, None)
-        shutil.rmtree(ctl, ignore_errors=True)
+                raise RunbookError(f"{host}: swapping in datasets/.{name}.incoming failed (exit "
+                                   f"{r.returncode}): {r.stderr.strip()[:400]}", "sync-ssh")
+        bad |= {f for f in sent if f not in staged and after["hash"].get(f) != want[f]}
+        bad |= after["code"] & set(diff["code_extra"])  # what --delete should have removed
+    return dict(rec, verified=not bad, mismatches=sorted(bad), wall_s=round(time.monotonic() - t0, 3))
 
 
 def main() -> int:
-    args = build_parser().parse_args()
-    t0 = time.time()
+    args, t0 = build_parser().parse_args(), time.time()
     try:  # every refusal comes before any ssh or rsync
         plan = load_plan(args)
     except RunbookError as e:
         return die(e, 2)
     root, hosts, expected = plan["root"], plan["hosts"], plan["expected"]
-    results = sync_all(hosts, args, plan)
+    os.chdir(paths.ROOT)  # rsync sends the repo's relative paths
+    os.environ[CONTROL_ENV] = ctl = tempfile.mkdtemp(prefix="thsync-", dir="/tmp")  # a socket path: <= 104 B
+    try:  # every host at once, each over one shared ssh connection
+        with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+            jobs = [pool.submit(sync_host, h, args, plan) for h in hosts]
+        results = [{"host": h, "error": str(j.exception())} if isinstance(j.exception(), RunbookError)
+                   else j.result() for h, j in zip(hosts, jobs, strict=True)]
+    finally:
+        close_masters(hosts)
+        shutil.rmtree(ctl, ignore_errors=True)
 
     # A host's dataset failed verification: is the local copy itself damaged? Name it, not the host.
     suspect = any(set(r.get("mismatches", [])) & set(expected) for r in results)
-    local_bad = [f for f, h in expected.items() if suspect and (not (paths.ROOT / f).is_file()
-                                                                or sha256_file(paths.ROOT / f) != h)]
+    local_bad = [f for f, h in expected.items() if suspect and tree_hashes(paths.ROOT, [f]).get(f) != h]
     rc = 0
     for f in local_bad:
         rc = die(RunbookError(f"local {f} does not match its manifest, so no host's dataset was replaced "
@@ -331,16 +280,15 @@ def main() -> int:
             continue
         for c in r["changes"]:
             print(f"  {h}: {'would ' if args.dry_run else ''}{c}")
-        event("sync", host=h, status="dry-run" if args.dry_run else ("verified" if r["verified"] else "MISMATCH"),
-              actions="+".join(r["actions"]) or "none", bytes="unknown" if b is None else b, wall_s=r["wall_s"])
+        status = "dry-run" if args.dry_run else ("verified" if r["verified"] else "MISMATCH")
+        event("sync", host=h, status=status, actions="+".join(r["actions"]) or "none",
+              bytes="unknown" if b is None else b, wall_s=r["wall_s"])
         for f in sorted(set(r.get("mismatches", [])) - set(local_bad)):
             rc = die(RunbookError(f"{h}: {f} does not match the local copy after sync; check the host's disk "
                                   f"(df -h {root}) and re-run make sync", "sync-verify"))
-        rc = rc or int(r["verified"] is False)
 
-    report = {"hostfile": args.hostfile, "remote_root": root, "dataset": args.dataset, "model": args.model,
-              "dry_run": args.dry_run, "rsync": args.rsync, "rsync_path": args.rsync_path, "hosts": results,
-              "local_dataset_errors": local_bad, "ok": rc == 0, "wall_s": round(time.time() - t0, 3),
+    report = {"remote_root": root, "dataset": args.dataset, "model": args.model, "hosts": results,
+              "ok": rc == 0, "local_dataset_errors": local_bad, "wall_s": round(time.time() - t0, 3),
               "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if args.run and not args.dry_run:
         atomic.write_json(paths.run_dir(args.run) / "sync.json", report)

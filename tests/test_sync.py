@@ -111,15 +111,31 @@ def test_incremental_repair_and_dry_run(dataset, tmp_path):
 
 
 def test_stale_file_in_dataset_folder_is_deleted_only_there(dataset, tmp_path):
+    """Files the host has and this checkout lacks go from the dataset folder and from bin/, lib/,
+    configs/ (a dry run names them first); caches, dotfiles and everything else stay."""
     dst = tmp_path / "remote"
     sync(remote_root=dst, dataset=dataset, check=True)
     (dst / "datasets" / dataset / "stale.jsonl").write_text("old\n")
-    (dst / "lib" / "extra_local_file.txt").write_text("keep me\n")
+    (dst / "lib" / "extra_local_file.txt").write_text("gone from git\n")
+    (dst / "lib" / "old").mkdir()
+    (dst / "lib" / "old" / "moved.py").write_text("gone from git\n")
+    kept = [dst / "lib" / "__pycache__" / "x.cpython-312.pyc", dst / "lib" / ".DS_Store", dst / "notes.txt",
+            dst / "datasets" / "other" / "train.jsonl", dst / "models" / "m" / "config.json"]
+    for f in kept:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("keep me\n")
     # Force a dataset transfer by changing a split on the remote side.
     (dst / "datasets" / dataset / "valid.jsonl").write_text("changed\n")
-    sync(remote_root=dst, dataset=dataset, check=True)
+    p = sync("--dry-run", remote_root=dst, dataset=dataset, check=True)
+    assert "would code *deleting" in p.stdout and "lib/extra_local_file.txt" in p.stdout, p.stdout
+    assert "lib/old/moved.py" in p.stdout and "would dataset *deleting stale.jsonl" in p.stdout
+    assert (dst / "lib" / "extra_local_file.txt").exists()
+    p = sync(remote_root=dst, dataset=dataset, check=True)
+    assert re.search(r"status verified actions code\+dataset ", p.stdout), p.stdout
     assert not (dst / "datasets" / dataset / "stale.jsonl").exists()
-    assert (dst / "lib" / "extra_local_file.txt").read_text() == "keep me\n"
+    assert not (dst / "lib" / "extra_local_file.txt").exists() and not (dst / "lib" / "old" / "moved.py").exists()
+    assert all(f.read_text() == "keep me\n" for f in kept)
+    assert "actions none bytes 0" in sync(remote_root=dst, dataset=dataset, check=True).stdout
 
 
 def test_interrupted_sync_keeps_previous_good_copy(tmp_path, request):
@@ -226,7 +242,7 @@ def test_probe_and_swap_scripts_as_a_host_runs_them(tmp_path, shell):
     (root / "configs" / "my run.yaml").write_text("a\n")
     (root / "datasets" / "d").mkdir(parents=True)
     (root / "datasets" / "d" / "train.jsonl").write_text("old\n")
-    p = subprocess.run([*shell.split(), "-c", mod.PROBE_SH, "sh", str(root), "ro", "-", "datasets/d",
+    p = subprocess.run([*shell.split(), "-c", mod.PROBE_SH, "sh", str(root), "ro", "datasets/d",
                         "configs/my run.yaml", "configs/gone.yaml", "--exists", "datasets/d/train.jsonl", "models/x"],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr

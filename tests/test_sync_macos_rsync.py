@@ -2,10 +2,10 @@
 
 Apple's openrsync (/usr/bin/rsync on macOS 15.4+) and rsync 2.6.9 (older macOS), built from
 Apple's sources by .ci/macos-tools.sh, at both ends and mixed (rsync 3.x here, openrsync on the
-hosts): first sync, no-op re-sync, flipped-byte repair, DRY_RUN, --max-delete and a sync killed
-mid-transfer, with the bytes sent reported right by every one. MACOS_TOOLS names the tools'
-bin dir (CI); without it they are built when clang exists. REQUIRE_MACOS_TOOLS=1 turns a
-skip into a failure.
+hosts): first sync, no-op re-sync, flipped-byte repair, DRY_RUN, --max-delete, a code file gone
+from git deleted and a sync killed mid-transfer, with the bytes sent reported right by every one.
+MACOS_TOOLS names the tools' bin dir (CI); without it they are built when clang exists.
+REQUIRE_MACOS_TOOLS=1 turns a skip into a failure.
 """
 
 from __future__ import annotations
@@ -142,6 +142,13 @@ def test_sync_with_macos_rsyncs(fabric, macos_tools, ends, request):
     assert not list(live(hosts[0]).glob("stray*"))
     assert 0 < sent()[hosts[0]] <= moved(p.stdout, hosts[0], ddir) + 65536, sent()
 
+    # A code file this checkout no longer has (deleted or moved in git) goes from every host.
+    for h in hosts:
+        (fabric.backing_dir(h) / sub / "lib" / "gone_from_git.py").write_text("x\n")
+    p = sync()
+    assert len(re.findall(r"code \*deleting +lib/gone_from_git\.py", p.stdout)) == 2, p.stdout
+    assert not any((fabric.backing_dir(h) / sub / "lib" / "gone_from_git.py").exists() for h in hosts)
+
     # A sync killed mid-transfer (a bigger dataset at 100 KiB/s) keeps the previous copy live.
     before = {h: {f.name: f.read_bytes() for f in live(h).iterdir()} for h in hosts}
     make_dataset(name, records=3000, pad=300)
@@ -165,9 +172,8 @@ def test_sync_with_macos_rsyncs(fabric, macos_tools, ends, request):
 @pytest.mark.parametrize("line,want", [
     ("Total bytes sent: 1,234,567", 1234567),      # rsync 3.x (digits grouped)
     ("Total bytes sent: 5678", 5678),              # rsync 2.6.9
-    ("Total sent: 278 B", 278),                    # openrsync, no -h (what sync runs)
-    ("Total sent: 1.2 MB", 1200000),               # openrsync -h
-    ("Total sent: 1.5 KiB", 1536),                 # openrsync -hh
+    ("Total sent: 278 B", 278),                    # openrsync (sync never passes -h)
+    ("Total sent: 5001396 B", 5001396),            # openrsync, a larger transfer: still bytes
     ("sent 278 bytes  received 35 bytes", None),   # no --stats block
 ])
 def test_bytes_sent_from_every_rsyncs_stats(line, want):
