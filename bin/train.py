@@ -5,18 +5,20 @@ Usage:
     mlx.launch --hostfile HOSTFILE --backend ring -- PYTHON bin/train.py --config CONFIG --model MODEL \
         --data datasets/NAME --run-dir runs/RUN [--resume [--allow-world-change]] [--iters N] [--seed S] \
         [--expect-world-size W] [--launch-id ID] [--stop-at-step K]
+Example (one rank, no launcher):
+    .venv/bin/python bin/train.py --config configs/demo.yaml --model models/tiny-gemma4 \
+        --data datasets/sample --run-dir runs/try
 
-mlx-lm's LoRA training (loading, LoRA layers, datasets, batches, default_loss or lib/loss.py's
-chunked loss, evaluate, compiled step) with exact resume: weights, optimizer, RNG key and report window
-in each checkpoint, the data order replayed from the seed; with --allow-world-change on fewer ranks,
-each accumulating the old ranks' shares. batch_size is the global batch; `grad_average: tokens`
-weights each rank by its tokens (a dual run computes the control's maths). macOS: caffeinate per rank.
+mlx-lm's LoRA training (load, LoRA layers, datasets, batches, default_loss or lib/loss.py's chunked
+loss, evaluate, compiled step) with exact resume: weights, optimizer, RNG key and report window in each
+checkpoint, the data order replayed from the seed; --allow-world-change resumes on fewer ranks, each
+accumulating the old ranks' shares. batch_size is the global batch; `grad_average: tokens` weights each
+rank by its tokens (a dual run computes the control's maths). macOS: caffeinate per rank.
 
 Files under --run-dir (the contract with lib/launch.py):
     logs/rank-R.joined.json   the group is up (rank, world_size, host, backend, pid, launch_id, versions);
                               after loading also records(_by_split), dataset_sha256, files_sha256.
-    logs/rank-R.failure.json  category, kind, anchor, message, step, exit_code (lib.log.FAILURES),
-                              launch_id.
+    logs/rank-R.failure.json  category, kind, anchor, message, step, exit_code (lib.log.FAILURES), launch_id.
     logs/rank-R.log           every line the rank printed, timestamped.
     metrics.jsonl             rank 0: step, train, val, test, checkpoint, world-change, warning and done
                               events; a resume moves later ones to metrics.superseded.jsonl.
@@ -52,7 +54,7 @@ from lib import checkpoint as ckpt  # noqa: E402
 from lib import config as C  # noqa: E402
 from lib.dataset import read_manifest  # noqa: E402
 from lib.hashing import digest_of, sha256_file  # noqa: E402
-from lib.log import DATA, OOM_RE, PARITY, STABILITY, RunbookError, error_of_code, failure, fmt  # noqa: E402
+from lib.log import DATA, OOM_RE, PARITY, STABILITY, RunbookError, error_of_code, event, failure  # noqa: E402
 
 SPLITS = ("train", "valid", "test")
 CAFFEINATE = "/usr/bin/caffeinate"  # macOS; absent on Linux (tests point it at a fake)
@@ -86,8 +88,8 @@ def overrides(args) -> dict:
 
 # ---- per-rank output ------------------------------------------------------------------------------
 class Reporter:
-    """The rank's output, a small callback object: one plain line per event on stdout and in
-    logs/rank-R.log; on rank 0 also metrics.jsonl. `step` is what a failure report names."""
+    """The rank's output: one line per event on stdout and in logs/rank-R.log; on rank 0 also
+    metrics.jsonl. `step` is what a failure report names."""
 
     def __init__(self, run_dir: Path, rank: int):
         self.run_dir, self.rank, self.step, self.metrics = run_dir, rank, None, None
@@ -96,9 +98,7 @@ class Reporter:
         self.t0 = self.last_beat = time.monotonic()
 
     def line(self, name: str, /, **fields) -> None:
-        text = " ".join([name] + [f"{k} {fmt(v)}" for k, v in fields.items()])
-        print(text, flush=True)
-        self.log.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {text}\n")
+        self.log.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {event(name, **fields)}\n")
         self.log.flush()
 
     def warn(self, message: str) -> None:
@@ -119,8 +119,7 @@ class Reporter:
 
         def beats() -> None:
             while not done.wait(3.0):
-                self.last_beat = time.monotonic()
-                self.line("progress", rank=self.rank, phase=phase, elapsed_s=round(self.last_beat - t0))
+                self.line("progress", rank=self.rank, phase=phase, elapsed_s=round(time.monotonic() - t0))
 
         thread = threading.Thread(target=beats, daemon=True)
         thread.start()
@@ -203,8 +202,7 @@ def init_group():
 
 
 class Group:
-    """The collectives the trainer needs besides the gradient all-reduce (CPU stream; on a world
-    of one they return their input)."""
+    """The collectives besides the gradient all-reduce (CPU stream; a world of one returns its input)."""
 
     def __init__(self, mx, group):
         self.mx, self.rank, self.size = mx, group.rank(), group.size()
@@ -212,24 +210,21 @@ class Group:
     def sum(self, x):
         return self.mx.distributed.all_sum(x, stream=self.mx.cpu)
 
-    def agree(self, err: RunbookError | None) -> None:
-        """Every rank learns whether any rank failed here; all stop with that rank's exit code."""
-        codes = [0] * self.size
-        codes[self.rank] = err.exit_code if err else 0
+    def run(self, fn, *a, **kw):
+        """Run one local phase (fn None: nothing here); every rank learns whether any rank failed,
+        and all stop with that rank's exit code."""
+        out, err, codes = None, None, [0] * self.size
+        try:
+            out = fn(*a, **kw) if fn else None
+        except Exception as e:
+            err = as_error(e)
+            codes[self.rank] = err.exit_code
         codes = self.sum(self.mx.array(codes)).tolist()
         if err:
             raise err
         if failed := [r for r, c in enumerate(codes) if c]:
             raise error_of_code(codes[failed[0]], f"rank(s) {failed} failed (exit {codes[failed[0]]}); "
                                                   "see their logs/rank-R.failure.json")
-
-    def run(self, fn, *a, **kw):
-        """Run one local phase (fn None: nothing here); any failure is agreed with the other ranks."""
-        try:
-            out, err = (fn(*a, **kw) if fn else None), None
-        except Exception as e:
-            out, err = None, as_error(e)
-        self.agree(err)
         return out
 
     def bcast_bytes(self, data: bytes | None) -> bytes:
@@ -240,8 +235,7 @@ class Group:
 
     def bcast_arrays(self, flat: dict | None, like: dict) -> dict:
         """Rank 0's tensors to every rank (the others add zeros shaped like their own)."""
-        mx = self.mx
-        out = {k: self.sum(flat[k] if self.rank == 0 else mx.zeros(v.shape, v.dtype))
+        out = {k: self.sum(flat[k] if self.rank == 0 else self.mx.zeros(v.shape, v.dtype))
                for k, v in sorted(like.items())}
         self.mx.eval(list(out.values()))
         return out
@@ -261,24 +255,17 @@ def check_data_files(cfg: dict) -> tuple[str, str]:
 
 
 def load_split(path: Path, cfg: dict, tokenizer, rep: Reporter):
-    """One split as mlx-lm's dataset (create_dataset in a CacheDataset), every record tokenized
-    now so that a bad one fails here, naming file and line: (dataset or None, tokens, too long)."""
+    """One split as mlx-lm's dataset (create_dataset in a CacheDataset), every record tokenized now
+    so that a bad one fails here, naming file and line: (dataset or None, tokens, too long)."""
     from mlx_lm.tuner.datasets import CacheDataset, create_dataset
 
     try:
         records = list(jsonl.read(path)) if path.is_file() else []
+        ds = CacheDataset(create_dataset(records, tokenizer, types.SimpleNamespace(**cfg))) if records else None
     except (ValueError, UnicodeDecodeError) as e:
-        raise failure(DATA, str(e)) from e
-    if not records:
-        return None, 0, 0
-    if bad := next((n for n, rec in enumerate(records, 1) if not isinstance(rec, dict)), None):
-        raise failure(DATA, f"{path}:{bad}: a record is a JSON object, got {type(records[bad - 1]).__name__}")
-    try:
-        ds = CacheDataset(create_dataset(records, tokenizer, types.SimpleNamespace(**cfg)))
-    except ValueError as e:
-        raise failure(DATA, f"{path}: {e}".strip()) from e
+        raise failure(DATA, f"{path}: {e}".replace(f"{path}: {path}", str(path))) from e
     lengths = []
-    for i in range(len(ds)):
+    for i in range(len(ds) if ds else 0):
         rep.beat("tokenize")
         try:
             lengths.append(len(ds[i][0]))
@@ -292,8 +279,7 @@ def load_data(cfg: dict, tokenizer, rep: Reporter):
     """train/valid/test as mlx-lm datasets: (sets, records by split, tokens by split)."""
     d, bs = Path(cfg["data"]), cfg["batch_size"]
     out = {split: load_split(d / f"{split}.jsonl", cfg, tokenizer, rep) for split in SPLITS}
-    sets = {split: ds for split, (ds, _, _) in out.items()}
-    counts = {split: len(ds) if ds else 0 for split, ds in sets.items()}
+    counts = {split: len(ds) if ds else 0 for split, (ds, _, _) in out.items()}
     if not counts["train"]:
         raise failure(DATA, f"{d}/train.jsonl has no records")
     if cfg["test"] and not counts["test"]:
@@ -304,7 +290,7 @@ def load_data(cfg: dict, tokenizer, rep: Reporter):
                                 "export more records or lower batch_size")
     if long := sum(n for _, _, n in out.values()):
         rep.warn(f"{long} records are longer than max_seq_length {cfg['max_seq_length']} and are truncated")
-    return sets, counts, {split: t for split, (_, t, _) in out.items()}
+    return {s: v[0] for s, v in out.items()}, counts, {s: v[1] for s, v in out.items()}
 
 
 def batch_plan(dataset, batch_size: int, rank: int, size: int) -> list[list[int]]:
@@ -327,16 +313,14 @@ def make_batch(mx, np, dataset, indices: list[int], max_seq_length: int):
 
 
 class DataOrder:
-    """The train batch order of mlx-lm's lora. mlx-lm seeds numpy with the seed, then draws one
-    permutation of the batches per epoch and one of the validation batches whenever it validates
-    (iteration 1 and every steps_per_eval), in that order; this replays that stream in its own
-    RandomState, so a resume at step k replays next(1..k) and continues exactly. The draw mlx-lm
-    makes when it validates at its last iteration is left out: no train batch follows it, and
-    leaving it out keeps the order independent of `iters` (a run can be extended)."""
+    """The train batch order of mlx-lm's lora: numpy seeded with the seed draws one permutation of
+    the batches per epoch and one of the validation batches whenever it validates (iteration 1 and
+    every steps_per_eval), in that order; replayed here in its own RandomState, so a resume at step k
+    replays next(1..k) exactly. mlx-lm's draw at its last validation is left out (no train batch
+    follows it): the order does not depend on `iters`, so a run can be extended."""
 
     def __init__(self, np, seed: int, n_batches: int, n_val_batches: int, steps_per_eval: int):
-        self.rs, self.n, self.n_val = np.random.RandomState(seed), n_batches, n_val_batches
-        self.spe = steps_per_eval
+        self.rs, self.n, self.n_val, self.spe = np.random.RandomState(seed), n_batches, n_val_batches, steps_per_eval
         self.perm, self.pos, self.epoch = [], 0, -1
 
     def next(self, it: int) -> int:
@@ -350,11 +334,10 @@ class DataOrder:
 
 # ---- model ---------------------------------------------------------------------------------------
 def load_model(cfg: dict, rep: Reporter):
-    """mlx-lm's load (its import alone takes seconds), with progress lines while it reads (or
-    downloads) the weights."""
-    m = cfg["model"]
+    """mlx-lm's load (its import alone takes seconds), with progress lines while it reads the weights."""
+    m, host = cfg["model"], socket.gethostname()
     if (m.startswith((".", "/", "~", "models/")) or Path(m).exists()) and not Path(m).expanduser().is_dir():
-        raise failure(DATA, f"model folder {m} not found on {socket.gethostname()} (cwd {os.getcwd()}); run "
+        raise failure(DATA, f"model folder {m} not found on {host} (cwd {os.getcwd()}); run "
                             "`make tiny-model` or `make sync SYNC_MODEL=1`")
     with rep.beating("load-model"):
         try:
@@ -363,8 +346,8 @@ def load_model(cfg: dict, rep: Reporter):
             return load(m, tokenizer_config={"trust_remote_code": cfg["trust_remote_code"]},
                         trust_remote_code=cfg["trust_remote_code"])
         except (FileNotFoundError, ValueError, OSError) as e:
-            raise failure(DATA, f"model {m} does not load on {socket.gethostname()} ({type(e).__name__}: "
-                                f"{e}); run `make sync SYNC_MODEL=1`") from e
+            raise failure(DATA, f"model {m} does not load on {host} ({type(e).__name__}: {e}); run "
+                                "`make sync SYNC_MODEL=1`") from e
 
 
 def prepare_model(mx, model, cfg: dict):
@@ -466,8 +449,7 @@ def start(r):
     if r.world_change:
         r.rep.line("world-change", rank=coll.rank, **r.world_change)
     # this rank's shares of each global batch: one, or after a world change the old ranks' several
-    shares = range(coll.rank, r.shards, coll.size)
-    r.plans = [batch_plan(r.train_set, cfg["batch_size"], j, r.shards) for j in shares]
+    r.plans = [batch_plan(r.train_set, cfg["batch_size"], j, r.shards) for j in range(coll.rank, r.shards, coll.size)]
     n_val = len(r.val_set) // cfg["batch_size"] if r.val_set is not None and cfg["val_batches"] != 0 else 0
     r.order = DataOrder(r.np, cfg["seed"], len(r.plans[0]), n_val, cfg["steps_per_eval"])
     if st:
@@ -476,8 +458,7 @@ def start(r):
     w = st.get("window", {"loss": 0.0, "tokens": 0, "steps": 0})
     if isinstance(w["loss"], list):  # a checkpoint of the trainer before 2026-11-24: a window per rank
         w = {"loss": sum(w["loss"]) / len(w["loss"]), "tokens": sum(w["tokens"]), "steps": w["steps"]}
-    r.window = w
-    r.start, r.trained_tokens = st.get("step", 0), st.get("trained_tokens", 0)
+    r.window, r.start, r.trained_tokens = w, st.get("step", 0), st.get("trained_tokens", 0)
     r.initial_loss, r.val0, r.last_val = st.get("initial_loss"), st.get("val0"), None
     r.train_time, r.ckpt_time, r.grad = 0.0, 0.0, None
     r.mx.eval(r.model.parameters(), r.optimizer.state)
@@ -496,7 +477,7 @@ def pick_checkpoint(r) -> tuple[Path, dict] | None:
 
 
 def resume(r, picked: tuple[Path, dict] | None, st: dict) -> None:
-    """Every rank takes rank 0's checkpoint: weights, optimizer, RNG key, data position."""
+    """Every rank takes rank 0's checkpoint: weights, optimizer, RNG key; the data order is replayed."""
     from mlx.utils import tree_flatten, tree_unflatten
 
     own_w, own_o = dict(tree_flatten(r.model.trainable_parameters())), dict(tree_flatten(r.optimizer.state))
@@ -506,11 +487,8 @@ def resume(r, picked: tuple[Path, dict] | None, st: dict) -> None:
     r.optimizer.state = tree_unflatten(list(r.coll.bcast_arrays(o, own_o).items()))
     k = st["rng"]["mx_key"]
     r.mx.random.seed((int(k[0]) << 32) | int(k[1]))
-    for it in range(1, st["step"] + 1):  # the data order is a function of the seed: replay it
+    for it in range(1, st["step"] + 1):  # the data order is a function of the seed (pick checked n_batches)
         r.order.next(it)
-    if (r.order.epoch, r.order.pos) != (st["data"]["epoch"], st["data"]["pos"]):
-        raise failure(DATA, f"the replayed data order is at epoch {r.order.epoch} position {r.order.pos}, "
-                            f"the checkpoint says {st['data']['epoch']}/{st['data']['pos']}: start a new RUN")
     if r.coll.rank == 0 and (moved := ckpt.supersede_metrics(r.run_dir, st["step"])):
         r.rep.line("metrics-superseded", rank=0, events=moved, after_step=st["step"])
 
@@ -526,8 +504,7 @@ def save_checkpoint(r, step: int, final: bool = False) -> None:
     """Rank 0 writes the checkpoint, every rank agrees it was written."""
     tic = time.perf_counter()
     val_loss = r.last_val[1] if r.last_val and r.last_val[0] == step else None
-    writer = write_checkpoint if r.coll.rank == 0 else None
-    path, pruned = r.coll.run(writer, r, step, final, val_loss) or (None, [])
+    path, pruned = r.coll.run(write_checkpoint if r.coll.rank == 0 else None, r, step, final, val_loss) or (None, [])
     dt = time.perf_counter() - tic
     r.ckpt_time += dt
     if r.coll.rank == 0:
