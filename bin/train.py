@@ -9,11 +9,11 @@ Example (one rank, no launcher):
     .venv/bin/python bin/train.py --config configs/demo.yaml --model models/tiny-gemma4 \
         --data datasets/sample --run-dir runs/try
 
-mlx-lm's LoRA training (load, LoRA layers, datasets, batches, default_loss or lib/loss.py's chunked
-loss, evaluate, compiled step) with exact resume: weights, optimizer, RNG key and report window in each
-checkpoint, the data order replayed from the seed; --allow-world-change resumes on fewer ranks, each
-accumulating the old ranks' shares. batch_size is the global batch; `grad_average: tokens` weights each
-rank by its tokens (a dual run computes the control's maths). macOS: caffeinate per rank.
+mlx-lm's LoRA training (load, LoRA layers, datasets, iterate_batches, default_loss or lib/loss.py's
+chunked loss, evaluate, compiled step) with exact resume: weights, optimizer, RNG key and report window
+in each checkpoint, the data order replayed from the seed; --allow-world-change resumes on fewer ranks,
+each accumulating the old ranks' shares. batch_size is the global batch; `grad_average: tokens` weights
+each rank by its tokens (a dual run computes the control's maths). macOS: caffeinate per rank.
 
 Files under --run-dir (the contract with lib/launch.py):
     logs/rank-R.joined.json   the group is up (rank, world_size, host, backend, pid, launch_id, versions);
@@ -187,11 +187,10 @@ def init_group():
     except Exception as e:  # wrong interpreter or broken install
         raise failure(PARITY, f"{sys.executable} cannot import mlx ({type(e).__name__}: {e}); every host "
                               "must run the same interpreter with the locked packages") from e
-    hostfile = os.environ.get("MLX_HOSTFILE")
-    if hostfile and Path(hostfile).is_file() and not Path(hostfile).read_text().strip():
+    env = os.environ.get
+    if env("MLX_HOSTFILE") and Path(env("MLX_HOSTFILE")).is_file() and not Path(env("MLX_HOSTFILE")).read_text().strip():
         os.environ.pop("MLX_HOSTFILE")  # mlx.launch with a single host
         os.environ.pop("MLX_RANK", None)
-    env = os.environ.get
     backend = ("jaccl" if env("MLX_IBV_DEVICES") or env("MLX_JACCL_COORDINATOR") else "ring"
                if env("MLX_HOSTFILE") else "mpi" if env("OMPI_COMM_WORLD_SIZE") else "none")
     try:
@@ -227,24 +226,24 @@ class Group:
                                                   "see their logs/rank-R.failure.json")
         return out
 
-    def bcast_bytes(self, data: bytes | None) -> bytes:
-        mx = self.mx
-        n = int(self.sum(mx.array([len(data) if self.rank == 0 else 0])).item())
-        mine = mx.array(list(data)) if self.rank == 0 else mx.zeros((n,), mx.int32)
-        return bytes(self.sum(mine.astype(mx.int32)).tolist())
-
-    def bcast_arrays(self, flat: dict | None, like: dict) -> dict:
-        """Rank 0's tensors to every rank (the others add zeros shaped like their own)."""
+    def bcast(self, flat: dict, like: dict) -> dict:
+        """Rank 0's arrays to every rank (the others add zeros shaped like `like`)."""
         out = {k: self.sum(flat[k] if self.rank == 0 else self.mx.zeros(v.shape, v.dtype))
                for k, v in sorted(like.items())}
         self.mx.eval(list(out.values()))
         return out
 
+    def bcast_json(self, obj):
+        """Rank 0's JSON value to every rank."""
+        data = json.dumps(obj).encode() if self.rank == 0 else b""
+        n = int(self.sum(self.mx.array([len(data)])).item())
+        like = {"b": self.mx.zeros((n,), self.mx.int32)}
+        return json.loads(bytes(self.bcast({"b": self.mx.array(list(data), self.mx.int32)}, like)["b"].tolist()))
+
 
 # ---- data ----------------------------------------------------------------------------------------
 def check_data_files(cfg: dict) -> tuple[str, str]:
-    """(dataset_sha256: its manifest's, else the files', files_sha256: of the split files present).
-    Their bytes were verified by sync, and across hosts by check-parity before the launch."""
+    """(dataset_sha256: its manifest's, else the files', files_sha256: of the split files present)."""
     d = Path(cfg["data"])
     if not (d / "train.jsonl").is_file():
         raise failure(DATA, f"dataset {d / 'train.jsonl' if d.is_dir() else d} not found on "
@@ -254,82 +253,63 @@ def check_data_files(cfg: dict) -> tuple[str, str]:
     return str(man.get("dataset_sha256") or digest_of(present)), digest_of(present)
 
 
-def load_split(path: Path, cfg: dict, tokenizer, rep: Reporter):
-    """One split as mlx-lm's dataset (create_dataset in a CacheDataset), every record tokenized now
-    so that a bad one fails here, naming file and line: (dataset or None, tokens, too long)."""
+def load_data(cfg: dict, tokenizer, rep: Reporter):
+    """train/valid/test as mlx-lm datasets (create_dataset in a CacheDataset, None if empty), every
+    record tokenized now so a bad one fails here naming file and line: (sets, records, tokens by split)."""
     from mlx_lm.tuner.datasets import CacheDataset, create_dataset
 
-    try:
-        records = list(jsonl.read(path)) if path.is_file() else []
-        ds = CacheDataset(create_dataset(records, tokenizer, types.SimpleNamespace(**cfg))) if records else None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise failure(DATA, f"{path}: {e}".replace(f"{path}: {path}", str(path))) from e
-    lengths = []
-    for i in range(len(ds) if ds else 0):
-        rep.beat("tokenize")
+    d, bs, sets, counts, tokens, long = Path(cfg["data"]), cfg["batch_size"], {}, {}, {}, 0
+    for split in SPLITS:
+        path, lengths = d / f"{split}.jsonl", []
         try:
-            lengths.append(len(ds[i][0]))
-        except Exception as e:
-            raise failure(DATA, f"{path}:{i + 1} (record_id {records[i].get('record_id', '?')}) does not "
-                                f"tokenize: {type(e).__name__}: {e}") from e
-    return ds, sum(lengths), sum(n > cfg["max_seq_length"] for n in lengths)
-
-
-def load_data(cfg: dict, tokenizer, rep: Reporter):
-    """train/valid/test as mlx-lm datasets: (sets, records by split, tokens by split)."""
-    d, bs = Path(cfg["data"]), cfg["batch_size"]
-    out = {split: load_split(d / f"{split}.jsonl", cfg, tokenizer, rep) for split in SPLITS}
-    counts = {split: len(ds) if ds else 0 for split, (ds, _, _) in out.items()}
-    if not counts["train"]:
-        raise failure(DATA, f"{d}/train.jsonl has no records")
-    if cfg["test"] and not counts["test"]:
-        raise failure(DATA, f"test: true but {d}/test.jsonl is missing or empty")
-    for split, needed in (("train", True), ("valid", cfg["val_batches"] != 0), ("test", cfg["test"])):
-        if needed and 0 < counts[split] < bs:
-            raise failure(DATA, f"{d}/{split}.jsonl has {counts[split]} records, fewer than batch_size {bs}: "
-                                "export more records or lower batch_size")
-    if long := sum(n for _, _, n in out.values()):
+            recs = list(jsonl.read(path)) if path.is_file() else []
+            ds = CacheDataset(create_dataset(recs, tokenizer, types.SimpleNamespace(**cfg))) if recs else None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise failure(DATA, f"{path}: {e}".replace(f"{path}: {path}", str(path))) from e
+        for i in range(len(recs)):
+            rep.beat("tokenize")
+            try:
+                lengths.append(len(ds[i][0]))
+            except Exception as e:
+                raise failure(DATA, f"{path}:{i + 1} (record_id {recs[i].get('record_id', '?')}) does not "
+                                    f"tokenize: {type(e).__name__}: {e}") from e
+        sets[split], counts[split], tokens[split] = ds, len(recs), sum(lengths)
+        long += sum(n > cfg["max_seq_length"] for n in lengths)
+        if 0 < len(recs) < bs and (split == "train" or cfg["val_batches"] != 0 if split == "valid" else cfg["test"]):
+            raise failure(DATA, f"{path} has {len(recs)} records, fewer than batch_size {bs}: export more "
+                                "records or lower batch_size")
+    if not counts["train"] or (cfg["test"] and not counts["test"]):
+        raise failure(DATA, f"{d}/train.jsonl has no records" if not counts["train"] else
+                      f"test: true but {d}/test.jsonl is missing or empty")
+    if long:
         rep.warn(f"{long} records are longer than max_seq_length {cfg['max_seq_length']} and are truncated")
-    return {s: v[0] for s, v in out.items()}, counts, {s: v[1] for s, v in out.items()}
+    return sets, counts, tokens
 
 
-def batch_plan(dataset, batch_size: int, rank: int, size: int) -> list[list[int]]:
-    """mlx-lm's iterate_batches before its loop: records sorted by CacheDataset.itemlen, cut
-    into global batches, each rank taking every size-th record of each."""
-    idx, bs = sorted(range(len(dataset)), key=dataset.itemlen), batch_size
-    return [idx[i + rank: i + rank + bs: size] for i in range(0, len(idx) - bs + 1, bs)]
+class Batches:
+    """This rank's train batches: mlx-lm's iterate_batches (looping) for each of its shares of the
+    global batch (one; after a world change the old ranks' several). As in `mlx_lm lora` they draw
+    from one numpy stream seeded with the seed, where validation (iteration 1 and every steps_per_eval)
+    also draws a permutation of the validation batches; not at the last iteration here, so the order
+    does not depend on `iters` (a run can be extended). A resume at step k replays next(1..k)."""
 
+    def __init__(self, np, dataset, cfg: dict, shares, shards: int, n_val: int):
+        from mlx_lm.tuner.trainer import iterate_batches
 
-def make_batch(mx, np, dataset, indices: list[int], max_seq_length: int):
-    """mlx-lm's iterate_batches, the body of its loop (padding to 1 + a multiple of 32)."""
-    batch = [dataset[j] for j in indices]
-    batch, offsets = zip(*batch, strict=True) if len(batch[0]) == 2 else (batch, [0] * len(batch))
-    lengths = [min(len(x), max_seq_length) for x in batch]
-    width = min(1 + 32 * ((max(len(x) for x in batch) + 31) // 32), max_seq_length)
-    arr = np.zeros((len(indices), width), np.int32)
-    for j, n in enumerate(lengths):
-        arr[j, :n] = batch[j][:n]
-    return mx.array(arr), mx.array(list(zip(offsets, lengths, strict=True)))
+        self.np, self.rs, self.n_val, self.spe = np, np.random.RandomState(cfg["seed"]), n_val, cfg["steps_per_eval"]
+        self.gens = [iterate_batches(dataset, cfg["batch_size"], cfg["max_seq_length"], loop=True,
+                                     comm_group=types.SimpleNamespace(rank=lambda j=j: j, size=lambda: shards))
+                     for j in shares]
 
-
-class DataOrder:
-    """The train batch order of mlx-lm's lora: numpy seeded with the seed draws one permutation of
-    the batches per epoch and one of the validation batches whenever it validates (iteration 1 and
-    every steps_per_eval), in that order; replayed here in its own RandomState, so a resume at step k
-    replays next(1..k) exactly. mlx-lm's draw at its last validation is left out (no train batch
-    follows it): the order does not depend on `iters`, so a run can be extended."""
-
-    def __init__(self, np, seed: int, n_batches: int, n_val_batches: int, steps_per_eval: int):
-        self.rs, self.n, self.n_val, self.spe = np.random.RandomState(seed), n_batches, n_val_batches, steps_per_eval
-        self.perm, self.pos, self.epoch = [], 0, -1
-
-    def next(self, it: int) -> int:
-        if self.pos >= len(self.perm):
-            self.perm, self.pos, self.epoch = [int(i) for i in self.rs.permutation(self.n)], 0, self.epoch + 1
-        self.pos += 1
+    def next(self, it: int) -> list:
+        out = []
+        for gen in self.gens:  # every share draws the same permutation when an epoch starts
+            self.np.random.set_state(self.rs.get_state())
+            out.append(next(gen))
+        self.rs.set_state(self.np.random.get_state())
         if self.n_val and (it == 1 or it % self.spe == 0):
             self.rs.permutation(self.n_val)
-        return self.perm[self.pos - 1]
+        return out
 
 
 # ---- model ---------------------------------------------------------------------------------------
@@ -440,18 +420,17 @@ def setup(args, mx, coll: Group, backend: str, rep: Reporter):
 
 
 def start(r):
-    """The data order, then a fresh start or rank 0's checkpoint on every rank."""
-    cfg, coll = r.cfg, r.coll
+    """A fresh start, or rank 0's checkpoint on every rank; this rank's batches."""
+    cfg, coll, bs = r.cfg, r.coll, r.cfg["batch_size"]
     picked = coll.run(pick_checkpoint if coll.rank == 0 else None, r)
-    st = json.loads(coll.bcast_bytes(json.dumps(picked and picked[1]).encode())) if r.args.resume else {}
+    st = coll.bcast_json(picked and picked[1]) if r.args.resume else {}
     r.shards, r.world_change = (ckpt.shards_for(st, coll.size, r.args.allow_world_change, cfg["grad_average"])
                                 if st else (coll.size, None))
     if r.world_change:
         r.rep.line("world-change", rank=coll.rank, **r.world_change)
-    # this rank's shares of each global batch: one, or after a world change the old ranks' several
-    r.plans = [batch_plan(r.train_set, cfg["batch_size"], j, r.shards) for j in range(coll.rank, r.shards, coll.size)]
-    n_val = len(r.val_set) // cfg["batch_size"] if r.val_set is not None and cfg["val_batches"] != 0 else 0
-    r.order = DataOrder(r.np, cfg["seed"], len(r.plans[0]), n_val, cfg["steps_per_eval"])
+    n_val = len(r.val_set) // bs if r.val_set is not None and cfg["val_batches"] != 0 else 0
+    r.n_batches = len(r.train_set) // bs
+    r.batches = Batches(r.np, r.train_set, cfg, range(coll.rank, r.shards, coll.size), r.shards, n_val)
     if st:
         resume(r, picked, st)
     # mlx-lm's report window (mean losses, tokens and steps since the last report), over every rank
@@ -483,12 +462,12 @@ def resume(r, picked: tuple[Path, dict] | None, st: dict) -> None:
     own_w, own_o = dict(tree_flatten(r.model.trainable_parameters())), dict(tree_flatten(r.optimizer.state))
     w = r.coll.run(ckpt.read_fitting, r.mx.load, picked and picked[0], own_w, "adapters")
     o = r.coll.run(ckpt.read_fitting, r.mx.load, picked and picked[0], own_o, "optimizer")
-    r.model.load_weights(list(r.coll.bcast_arrays(w, own_w).items()), strict=False)
-    r.optimizer.state = tree_unflatten(list(r.coll.bcast_arrays(o, own_o).items()))
+    r.model.load_weights(list(r.coll.bcast(w, own_w).items()), strict=False)
+    r.optimizer.state = tree_unflatten(list(r.coll.bcast(o, own_o).items()))
     k = st["rng"]["mx_key"]
     r.mx.random.seed((int(k[0]) << 32) | int(k[1]))
-    for it in range(1, st["step"] + 1):  # the data order is a function of the seed (pick checked n_batches)
-        r.order.next(it)
+    for it in range(1, st["step"] + 1):  # a function of the seed and n_batches (ckpt.pick checked it)
+        r.batches.next(it)
     if r.coll.rank == 0 and (moved := ckpt.supersede_metrics(r.run_dir, st["step"])):
         r.rep.line("metrics-superseded", rank=0, events=moved, after_step=st["step"])
 
@@ -525,7 +504,8 @@ def write_checkpoint(r, step: int, final: bool, val_loss: float | None) -> tuple
              "files_sha256": r.files_sha, "world_size": r.coll.size, "shards": r.shards, "final": final,
              "iters": r.cfg["iters"], "launch_id": r.args.launch_id, "time": time.strftime("%FT%T%z"),
              "rng": {"mx_key": [int(k[0]), int(k[1])]}, "val_loss": val_loss, "window": r.window,
-             "data": {"n_batches": len(r.plans[0]), "epoch": r.order.epoch, "pos": r.order.pos},
+             "data": {"n_batches": r.n_batches, "epoch": (step - 1) // r.n_batches,
+                      "pos": (step - 1) % r.n_batches + 1},
              "trained_tokens": r.trained_tokens, "initial_loss": r.initial_loss, "val0": r.val0}
     path = ckpt.save(r.ckroot, step, {
         "adapters.safetensors": lambda p: mx.save_safetensors(str(p), weights, metadata=meta),
@@ -594,10 +574,9 @@ def train_step(r, step, it: int) -> tuple:
     """One iteration: this rank's micro-batch (after a world change, the old ranks' shares of the
     global batch, accumulated), then the loss over every rank: token-weighted with
     grad_average: tokens, else mlx-lm's mean of the ranks' means. (loss, tokens, rank loss, grad norm)."""
-    mx, cfg, k = r.mx, r.cfg, len(r.plans)
-    idx, update, lv, nt = r.order.next(it), it % cfg["grad_accumulation_steps"] == 0, [], []
-    for j, plan in enumerate(r.plans):
-        batch = make_batch(mx, r.np, r.train_set, plan[idx], cfg["max_seq_length"])
+    mx, cfg, batches = r.mx, r.cfg, r.batches.next(it)
+    update, k, lv, nt = it % cfg["grad_accumulation_steps"] == 0, len(batches), [], []
+    for j, batch in enumerate(batches):
         lvalue, toks, out = step(batch, r.grad, update and j == k - 1)
         r.grad = None if update and j == k - 1 else out
         mx.eval(r.state, lvalue, toks, out)
@@ -614,9 +593,13 @@ def warm_up(r, step) -> None:
     """The compiled step's first call builds its kernels (over a minute on a fresh machine, cached
     after): build them on one local batch, without the all-reduce so no collective hides behind the
     beats, and with the random state put back, so the run computes exactly what it would have."""
-    mx, key = r.mx, r.mx.random.state[0].tolist()
+    from mlx_lm.tuner.trainer import iterate_batches
+
+    mx, key, cfg = r.mx, r.mx.random.state[0].tolist(), r.cfg
+    group = types.SimpleNamespace(rank=lambda: 0, size=lambda: r.shards)
     with r.rep.beating("compile"):
-        mx.eval(step(make_batch(mx, r.np, r.train_set, r.plans[0][0], r.cfg["max_seq_length"]), None, False))
+        mx.eval(step(next(iterate_batches(r.train_set, cfg["batch_size"], cfg["max_seq_length"], comm_group=group)),
+                     None, False))
     mx.random.seed((int(key[0]) << 32) | int(key[1]))  # as a resume restores it
 
 
