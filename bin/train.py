@@ -5,28 +5,19 @@ Usage:
     mlx.launch --hostfile HOSTFILE --backend ring -- PYTHON bin/train.py --config CONFIG --model MODEL \
         --data datasets/NAME --run-dir runs/RUN [--resume [--allow-world-change]] [--iters N] [--seed S] \
         [--expect-world-size W] [--launch-id ID] [--stop-at-step K]
-Example (one rank, no launcher):
+Example (one rank, on the demo's export):
     .venv/bin/python bin/train.py --config configs/demo.yaml --model models/tiny-gemma4 \
-        --data datasets/sample --run-dir runs/try
+        --data datasets/demo --run-dir runs/try
 
-mlx-lm's LoRA training (load, LoRA layers, datasets, iterate_batches, default_loss or lib/loss.py's
+mlx-lm's LoRA training (its load, LoRA layers, datasets, iterate_batches, default_loss or lib/loss.py's
 chunked loss, evaluate, compiled step) with exact resume: weights, optimizer, RNG key and report window
-in each checkpoint, the data order replayed from the seed; --allow-world-change resumes on fewer ranks,
-each accumulating the old ranks' shares. batch_size is the global batch; `grad_average: tokens` weights
-each rank by its tokens (a dual run computes the control's maths). macOS: caffeinate per rank.
-
-Files under --run-dir (the contract with lib/launch.py):
-    logs/rank-R.joined.json   the group is up (rank, world_size, host, backend, pid, launch_id, versions);
-                              after loading also records(_by_split), dataset_sha256, files_sha256.
-    logs/rank-R.failure.json  category, kind, anchor, message, step, exit_code (lib.log.FAILURES), launch_id.
-    logs/rank-R.log           every line the rank printed, timestamped.
-    metrics.jsonl             rank 0: step, train, val, test, checkpoint, world-change, warning and done
-                              events; a resume moves later ones to metrics.superseded.jsonl.
-    checkpoints/step-NNNNNNN/ each an mlx-lm adapter folder (--adapter-path as is); adapters/ the newest.
-Stdout: `rank-joined`, `progress rank R phase P` (the watchdog's signal), `iter N rank R loss X` (each
-step, each rank), `iter N train_loss X`, `val`, `checkpoint`, `test`, `warning`, `done ... best_adapter
-PATH`, `failed`. A failure before training is agreed by all ranks; NaN/divergence is judged on the
-global loss. Without --resume an earlier run moves to superseded-<time>-<pid>/.
+in each checkpoint (lib/checkpoint.py), the data order replayed from the seed. batch_size is the global
+batch; `grad_average: tokens` weights each rank by its tokens; --allow-world-change resumes on fewer ranks.
+Rank R writes (the contract with lib/launch.py) logs/rank-R.joined.json when the group is up (then the
+records and dataset hashes), logs/rank-R.failure.json (category, kind, anchor, step, exit_code, launch_id)
+and logs/rank-R.log (its stdout, timestamped); rank 0 metrics.jsonl (step, train, val, test, checkpoint,
+warning, done events; a resume moves later ones to metrics.superseded.jsonl), checkpoints/step-NNNNNNN/
+and adapters/ (mlx-lm adapter folders). `progress rank R phase P` lines feed the launcher's watchdog.
 """
 
 from __future__ import annotations
@@ -82,14 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def overrides(args) -> dict:
-    return {key: getattr(args, key) for key, _ in FLAGS}
-
-
 # ---- per-rank output ------------------------------------------------------------------------------
 class Reporter:
-    """The rank's output: one line per event on stdout and in logs/rank-R.log; on rank 0 also
-    metrics.jsonl. `step` is what a failure report names."""
+    """The rank's lines on stdout and in logs/rank-R.log; rank 0's metrics.jsonl; the step a failure names."""
 
     def __init__(self, run_dir: Path, rank: int):
         self.run_dir, self.rank, self.step, self.metrics = run_dir, rank, None, None
@@ -112,8 +98,7 @@ class Reporter:
 
     @contextmanager
     def beating(self, phase: str):
-        """A progress line now and every 3 s until the block ends: only around one long local call
-        with no collective in it. The beats stop before the rank says anything else."""
+        """Progress lines every 3 s around one long local call without collectives; they stop first."""
         self.beat(phase, 0.0)
         done, t0 = threading.Event(), time.monotonic()
 
@@ -180,16 +165,12 @@ def keep_awake(rep: Reporter):
 
 # ---- distributed group --------------------------------------------------------------------------
 def init_group():
-    """mlx and the global group. Under mlx.launch (MLX_RANK set) the group must form (strict);
-    a lone rank, or mlx.launch's empty MLX_HOSTFILE for one host, is a world of 1."""
-    try:
-        import mlx.core as mx
-    except Exception as e:  # wrong interpreter or broken install
-        raise failure(PARITY, f"{sys.executable} cannot import mlx ({type(e).__name__}: {e}); every host "
-                              "must run the same interpreter with the locked packages") from e
-    env = os.environ.get
-    if env("MLX_HOSTFILE") and Path(env("MLX_HOSTFILE")).is_file() and not Path(env("MLX_HOSTFILE")).read_text().strip():
-        os.environ.pop("MLX_HOSTFILE")  # mlx.launch with a single host
+    """mlx and the group: strict under mlx.launch (MLX_RANK); alone or an empty MLX_HOSTFILE: one rank."""
+    import mlx.core as mx  # check-parity made sure every host's interpreter has it
+
+    env, hostfile = os.environ.get, Path(os.environ.get("MLX_HOSTFILE") or "/nonexistent")
+    if hostfile.is_file() and not hostfile.read_text().strip():  # mlx.launch with a single host
+        os.environ.pop("MLX_HOSTFILE")
         os.environ.pop("MLX_RANK", None)
     backend = ("jaccl" if env("MLX_IBV_DEVICES") or env("MLX_JACCL_COORDINATOR") else "ring"
                if env("MLX_HOSTFILE") else "mpi" if env("OMPI_COMM_WORLD_SIZE") else "none")
@@ -210,8 +191,7 @@ class Group:
         return self.mx.distributed.all_sum(x, stream=self.mx.cpu)
 
     def run(self, fn, *a, **kw):
-        """Run one local phase (fn None: nothing here); every rank learns whether any rank failed,
-        and all stop with that rank's exit code."""
+        """Run one local phase (fn None: nothing); if any rank fails, all stop with its exit code."""
         out, err, codes = None, None, [0] * self.size
         try:
             out = fn(*a, **kw) if fn else None
@@ -226,7 +206,7 @@ class Group:
                                                   "see their logs/rank-R.failure.json")
         return out
 
-    def bcast(self, flat: dict, like: dict) -> dict:
+    def bcast(self, flat: dict | None, like: dict) -> dict:
         """Rank 0's arrays to every rank (the others add zeros shaped like `like`)."""
         out = {k: self.sum(flat[k] if self.rank == 0 else self.mx.zeros(v.shape, v.dtype))
                for k, v in sorted(like.items())}
@@ -234,11 +214,9 @@ class Group:
         return out
 
     def bcast_json(self, obj):
-        """Rank 0's JSON value to every rank."""
-        data = json.dumps(obj).encode() if self.rank == 0 else b""
-        n = int(self.sum(self.mx.array([len(data)])).item())
-        like = {"b": self.mx.zeros((n,), self.mx.int32)}
-        return json.loads(bytes(self.bcast({"b": self.mx.array(list(data), self.mx.int32)}, like)["b"].tolist()))
+        mx, data = self.mx, json.dumps(obj).encode() if self.rank == 0 else b""
+        like = {"b": mx.zeros((int(self.sum(mx.array(len(data))).item()),), mx.int32)}
+        return json.loads(bytes(self.bcast({"b": mx.array(list(data), mx.int32)}, like)["b"].tolist()))
 
 
 # ---- data ----------------------------------------------------------------------------------------
@@ -254,8 +232,8 @@ def check_data_files(cfg: dict) -> tuple[str, str]:
 
 
 def load_data(cfg: dict, tokenizer, rep: Reporter):
-    """train/valid/test as mlx-lm datasets (create_dataset in a CacheDataset, None if empty), every
-    record tokenized now so a bad one fails here naming file and line: (sets, records, tokens by split)."""
+    """The splits as mlx-lm datasets (None if empty), tokenized now so a bad record fails naming file
+    and line: (sets, records by split, tokens by split)."""
     from mlx_lm.tuner.datasets import CacheDataset, create_dataset
 
     d, bs, sets, counts, tokens, long = Path(cfg["data"]), cfg["batch_size"], {}, {}, {}, 0
@@ -275,7 +253,8 @@ def load_data(cfg: dict, tokenizer, rep: Reporter):
                                     f"tokenize: {type(e).__name__}: {e}") from e
         sets[split], counts[split], tokens[split] = ds, len(recs), sum(lengths)
         long += sum(n > cfg["max_seq_length"] for n in lengths)
-        if 0 < len(recs) < bs and (split == "train" or cfg["val_batches"] != 0 if split == "valid" else cfg["test"]):
+        needed = {"train": True, "valid": cfg["val_batches"] != 0, "test": cfg["test"]}[split]
+        if needed and 0 < len(recs) < bs:
             raise failure(DATA, f"{path} has {len(recs)} records, fewer than batch_size {bs}: export more "
                                 "records or lower batch_size")
     if not counts["train"] or (cfg["test"] and not counts["test"]):
@@ -287,19 +266,19 @@ def load_data(cfg: dict, tokenizer, rep: Reporter):
 
 
 class Batches:
-    """This rank's train batches: mlx-lm's iterate_batches (looping) for each of its shares of the
-    global batch (one; after a world change the old ranks' several). As in `mlx_lm lora` they draw
-    from one numpy stream seeded with the seed, where validation (iteration 1 and every steps_per_eval)
-    also draws a permutation of the validation batches; not at the last iteration here, so the order
-    does not depend on `iters` (a run can be extended). A resume at step k replays next(1..k)."""
+    """This rank's train batches: mlx-lm's iterate_batches (looping) for each of its shares of the global
+    batch (after a world change, the old ranks' several), drawing from one numpy stream seeded with the
+    seed as `mlx_lm lora` does, where validation (iteration 1 and every steps_per_eval; here not at the
+    last, so the order does not depend on `iters`) draws a permutation too. Resume replays next(1..k)."""
 
     def __init__(self, np, dataset, cfg: dict, shares, shards: int, n_val: int):
         from mlx_lm.tuner.trainer import iterate_batches
 
-        self.np, self.rs, self.n_val, self.spe = np, np.random.RandomState(cfg["seed"]), n_val, cfg["steps_per_eval"]
-        self.gens = [iterate_batches(dataset, cfg["batch_size"], cfg["max_seq_length"], loop=True,
-                                     comm_group=types.SimpleNamespace(rank=lambda j=j: j, size=lambda: shards))
-                     for j in shares]
+        self.np, self.rs, self.n_val = np, np.random.RandomState(cfg["seed"]), n_val
+        self.spe = cfg["steps_per_eval"]
+        groups = [types.SimpleNamespace(rank=lambda j=j: j, size=lambda: shards) for j in shares]
+        self.gens = [iterate_batches(dataset, cfg["batch_size"], cfg["max_seq_length"], True, comm_group=g)
+                     for g in groups]
 
     def next(self, it: int) -> list:
         out = []
@@ -359,7 +338,7 @@ def prepare_model(mx, model, cfg: dict):
     return opt
 
 
-# ---- setup: the group, config, data and model, each agreed by every rank ----------------------------
+# ---- setup: the group, config, data, model and checkpoint, each agreed by every rank -----------------
 def main() -> int:
     args = build_parser().parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")  # as mlx_lm lora sets it
@@ -373,19 +352,20 @@ def main() -> int:
         mx, group, backend = init_group()
         if group.rank() != rank:  # MLX_RANK was dropped for a lone host
             rep = Reporter(run_dir, group.rank())
-        return train(start(setup(args, mx, Group(mx, group), backend, rep)))
+        return train(setup(args, mx, Group(mx, group), backend, rep))
     except Exception as e:
         return fail(as_error(e), rep, args.launch_id)
 
 
 def resolve_config(args, world: int) -> dict:
-    cfg = C.resolve(args.config, overrides(args))
+    cfg = C.resolve(args.config, {key: getattr(args, key) for key, _ in FLAGS})
     C.check_world(cfg, world)
     return cfg
 
 
 def setup(args, mx, coll: Group, backend: str, rep: Reporter):
-    """The run: its config, the data files (cheap, before the slow imports), the model, the records."""
+    """The run: its config, the data files (cheap, before the slow imports), the model, the records,
+    then where it starts."""
     from importlib.metadata import version
 
     import numpy as np
@@ -416,12 +396,9 @@ def setup(args, mx, coll: Group, backend: str, rep: Reporter):
     if r.val_set is None and cfg["val_batches"] != 0:
         rep.warn(f"{cfg['data']}/valid.jsonl missing or empty: training proceeds without validation")
     r.optimizer = coll.run(prepare_model, mx, r.model, cfg)
-    return r
-
-
-def start(r):
-    """A fresh start, or rank 0's checkpoint on every rank; this rank's batches."""
-    cfg, coll, bs = r.cfg, r.coll, r.cfg["batch_size"]
+    # ---- a fresh start (rank 0 moves an earlier run aside) or rank 0's checkpoint on every rank ----
+    bs = cfg["batch_size"]
+    r.n_batches = len(r.train_set) // bs
     picked = coll.run(pick_checkpoint if coll.rank == 0 else None, r)
     st = coll.bcast_json(picked and picked[1]) if r.args.resume else {}
     r.shards, r.world_change = (ckpt.shards_for(st, coll.size, r.args.allow_world_change, cfg["grad_average"])
@@ -429,10 +406,9 @@ def start(r):
     if r.world_change:
         r.rep.line("world-change", rank=coll.rank, **r.world_change)
     n_val = len(r.val_set) // bs if r.val_set is not None and cfg["val_batches"] != 0 else 0
-    r.n_batches = len(r.train_set) // bs
     r.batches = Batches(r.np, r.train_set, cfg, range(coll.rank, r.shards, coll.size), r.shards, n_val)
     if st:
-        resume(r, picked, st)
+        resume(r, picked and picked[0], st)
     # mlx-lm's report window (mean losses, tokens and steps since the last report), over every rank
     w = st.get("window", {"loss": 0.0, "tokens": 0, "steps": 0})
     if isinstance(w["loss"], list):  # a checkpoint of the trainer before 2026-11-24: a window per rank
@@ -440,28 +416,27 @@ def start(r):
     r.window, r.start, r.trained_tokens = w, st.get("step", 0), st.get("trained_tokens", 0)
     r.initial_loss, r.val0, r.last_val = st.get("initial_loss"), st.get("val0"), None
     r.train_time, r.ckpt_time, r.grad = 0.0, 0.0, None
-    r.mx.eval(r.model.parameters(), r.optimizer.state)
+    mx.eval(r.model.parameters(), r.optimizer.state)
     return r
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------
 def pick_checkpoint(r) -> tuple[Path, dict] | None:
     """Rank 0: a fresh start moves an earlier run aside; a resume takes the newest verified checkpoint."""
-    if not r.args.resume:
-        if dest := ckpt.archive_run(r.run_dir):
-            r.rep.line("fresh-start", rank=0, archived=dest)
-        return None
-    n_batches = len(r.train_set) // r.cfg["batch_size"]
-    return ckpt.pick(r.ckroot, r.cfg, r.files_sha, n_batches, partial(r.rep.line, rank=0))
+    if r.args.resume:
+        return ckpt.pick(r.ckroot, r.cfg, r.files_sha, r.n_batches, partial(r.rep.line, rank=0))
+    if dest := ckpt.archive_run(r.run_dir):
+        r.rep.line("fresh-start", rank=0, archived=dest)
+    return None
 
 
-def resume(r, picked: tuple[Path, dict] | None, st: dict) -> None:
-    """Every rank takes rank 0's checkpoint: weights, optimizer, RNG key; the data order is replayed."""
+def resume(r, path: Path | None, st: dict) -> None:
+    """Every rank takes rank 0's checkpoint (`path`): weights, optimizer, RNG key; the data order replayed."""
     from mlx.utils import tree_flatten, tree_unflatten
 
     own_w, own_o = dict(tree_flatten(r.model.trainable_parameters())), dict(tree_flatten(r.optimizer.state))
-    w = r.coll.run(ckpt.read_fitting, r.mx.load, picked and picked[0], own_w, "adapters")
-    o = r.coll.run(ckpt.read_fitting, r.mx.load, picked and picked[0], own_o, "optimizer")
+    w = r.coll.run(ckpt.read_fitting, r.mx.load, path, own_w, "adapters")
+    o = r.coll.run(ckpt.read_fitting, r.mx.load, path, own_o, "optimizer")
     r.model.load_weights(list(r.coll.bcast(w, own_w).items()), strict=False)
     r.optimizer.state = tree_unflatten(list(r.coll.bcast(o, own_o).items()))
     k = st["rng"]["mx_key"]
@@ -480,10 +455,11 @@ def adapter_config(r, path: Path) -> dict:
 
 
 def save_checkpoint(r, step: int, final: bool = False) -> None:
-    """Rank 0 writes the checkpoint, every rank agrees it was written."""
+    """Rank 0 writes the checkpoint (write_checkpoint), every rank agrees it was written."""
     tic = time.perf_counter()
     val_loss = r.last_val[1] if r.last_val and r.last_val[0] == step else None
-    path, pruned = r.coll.run(write_checkpoint if r.coll.rank == 0 else None, r, step, final, val_loss) or (None, [])
+    writer = write_checkpoint if r.coll.rank == 0 else None
+    path, pruned = r.coll.run(writer, r, step, final, val_loss) or (None, [])
     dt = time.perf_counter() - tic
     r.ckpt_time += dt
     if r.coll.rank == 0:
@@ -493,19 +469,17 @@ def save_checkpoint(r, step: int, final: bool = False) -> None:
 
 
 def write_checkpoint(r, step: int, final: bool, val_loss: float | None) -> tuple[Path, list[str]]:
-    """Rank 0: checkpoints/step-N (weights, optimizer, state, adapter_config.json), pruning,
-    then adapters/adapters.safetensors replaced by the checkpoint's copy."""
+    """checkpoints/step-N (weights, optimizer, state, adapter_config.json), pruning, adapters/ updated."""
     from mlx.utils import tree_flatten
 
-    mx, meta, k = r.mx, {"format": "mlx", "step": str(step)}, r.mx.random.state[0].tolist()
+    mx, meta, k, n = r.mx, {"format": "mlx", "step": str(step)}, r.mx.random.state[0].tolist(), r.n_batches
     weights, opt = dict(tree_flatten(r.model.trainable_parameters())), dict(tree_flatten(r.optimizer.state))
     config = atomic.dumps_json(adapter_config(r, r.ckroot / ckpt.name_of(step)))
     state = {"config": r.cfg, "config_sha256": r.chash, "dataset_sha256": r.ds_sha,
              "files_sha256": r.files_sha, "world_size": r.coll.size, "shards": r.shards, "final": final,
              "iters": r.cfg["iters"], "launch_id": r.args.launch_id, "time": time.strftime("%FT%T%z"),
              "rng": {"mx_key": [int(k[0]), int(k[1])]}, "val_loss": val_loss, "window": r.window,
-             "data": {"n_batches": r.n_batches, "epoch": (step - 1) // r.n_batches,
-                      "pos": (step - 1) % r.n_batches + 1},
+             "data": {"n_batches": n, "epoch": (step - 1) // n, "pos": (step - 1) % n + 1},
              "trained_tokens": r.trained_tokens, "initial_loss": r.initial_loss, "val0": r.val0}
     path = ckpt.save(r.ckroot, step, {
         "adapters.safetensors": lambda p: mx.save_safetensors(str(p), weights, metadata=meta),
@@ -529,11 +503,10 @@ def losses(cfg: dict):
 
 
 def compiled_step(r):
-    """mlx-lm's compiled training step (mlx_lm/tuner/trainer.py train()) with the config's loss,
-    the all-reduce on the CPU stream, and optionally the token-weighted average (each rank's
-    gradient of its summed token losses; all-reduced with the token count, divided by it) and
-    the global norm clipped. step(batch, acc, do_update) -> (loss, ntoks, acc), acc being the
-    accumulated (gradient, tokens) or, after an update, the global gradient norm (pre-clip)."""
+    """mlx-lm's compiled step (tuner/trainer.py train()) with the config's loss, the all-reduce on the
+    CPU stream, the token-weighted average (grad_average: tokens: gradients of the summed token losses,
+    over the global token count) and max_grad_norm. step(batch, acc, do_update) -> (loss, ntoks, acc):
+    acc the accumulated (gradient, tokens), after an update the global gradient norm (pre-clip)."""
     import mlx.nn as nn
     import mlx.nn.utils as nu
     from mlx.optimizers import clip_grad_norm
@@ -541,8 +514,7 @@ def compiled_step(r):
 
     mx, model, optimizer, cfg = r.mx, r.model, r.optimizer, r.cfg
     accum, clip = cfg["grad_accumulation_steps"], cfg["max_grad_norm"]
-    by_tokens = cfg["grad_average"] == "tokens"
-    loss_fn, size = losses(cfg)[0], mx.distributed.init().size()
+    by_tokens, loss_fn, size = cfg["grad_average"] == "tokens", losses(cfg)[0], mx.distributed.init().size()
 
     def summed(model, batch, lengths):
         lvalue, toks = loss_fn(model, batch, lengths)
@@ -559,8 +531,7 @@ def compiled_step(r):
             return lvalue, toks, (grad, n)
         grad = nu.average_gradients(grad, communication_stream=mx.cpu)
         if by_tokens:  # average_gradients divides by the world size: the global sum over the global tokens
-            total = mx.distributed.all_sum(n, stream=mx.cpu)
-            grad = tree_map(lambda x: x * (size / total), grad)
+            grad = tree_map(lambda x: x * (size / mx.distributed.all_sum(n, stream=mx.cpu)), grad)
         elif accum > 1:
             grad = tree_map(lambda x: x / accum, grad)
         grad, norm = clip_grad_norm(grad, clip) if clip else (grad, clip_grad_norm(grad, 1.0)[1])
@@ -571,8 +542,7 @@ def compiled_step(r):
 
 
 def train_step(r, step, it: int) -> tuple:
-    """One iteration: this rank's micro-batch (after a world change, the old ranks' shares of the
-    global batch, accumulated), then the loss over every rank: token-weighted with
+    """One iteration on this rank's share(s), accumulated; the loss over every rank: token-weighted with
     grad_average: tokens, else mlx-lm's mean of the ranks' means. (loss, tokens, rank loss, grad norm)."""
     mx, cfg, batches = r.mx, r.cfg, r.batches.next(it)
     update, k, lv, nt = it % cfg["grad_accumulation_steps"] == 0, len(batches), [], []
@@ -582,37 +552,10 @@ def train_step(r, step, it: int) -> tuple:
         mx.eval(r.state, lvalue, toks, out)
         lv, nt = lv + [lvalue], nt + [toks.astype(mx.float32)]
     both = r.coll.sum(mx.stack([sum(lv), sum(a * b for a, b in zip(lv, nt, strict=True)), sum(nt)])).tolist()
-    mean, tokens = both[0] / (r.coll.size * k), int(both[2])
-    w = r.window
+    mean, tokens, w = both[0] / (r.coll.size * k), int(both[2]), r.window
     w.update(loss=w["loss"] + mean, tokens=w["tokens"] + tokens, steps=w["steps"] + 1)
     loss = both[1] / both[2] if cfg["grad_average"] == "tokens" else mean
     return loss, tokens, (sum(lv) / k).item(), out.item() if update else None
-
-
-def warm_up(r, step) -> None:
-    """The compiled step's first call builds its kernels (over a minute on a fresh machine, cached
-    after): build them on one local batch, without the all-reduce so no collective hides behind the
-    beats, and with the random state put back, so the run computes exactly what it would have."""
-    from mlx_lm.tuner.trainer import iterate_batches
-
-    mx, key, cfg = r.mx, r.mx.random.state[0].tolist(), r.cfg
-    group = types.SimpleNamespace(rank=lambda: 0, size=lambda: r.shards)
-    with r.rep.beating("compile"):
-        mx.eval(step(next(iterate_batches(r.train_set, cfg["batch_size"], cfg["max_seq_length"], comm_group=group)),
-                     None, False))
-    mx.random.seed((int(key[0]) << 32) | int(key[1]))  # as a resume restores it
-
-
-def check_stability(r, it: int, loss: float) -> None:
-    """NaN/inf at any step, or divergence_factor x the first step's loss early on, stops every rank."""
-    cfg = r.cfg
-    if not math.isfinite(loss):
-        raise failure(STABILITY, f"the loss is {loss} at step {it} (learning_rate {cfg['learning_rate']}): "
-                                 "lower the learning rate, check the data and the LoRA scale")
-    if it <= cfg["divergence_window"] and loss > cfg["divergence_factor"] * r.initial_loss:
-        raise failure(STABILITY, f"the loss diverged: {loss:.4g} at step {it} is more than "
-                                 f"{cfg['divergence_factor']}x the first step's {r.initial_loss:.4g} "
-                                 f"(learning_rate {cfg['learning_rate']}): lower the learning rate")
 
 
 # ---- reporting and evaluation ---------------------------------------------------------------------
@@ -647,8 +590,7 @@ def validate(r, step: int) -> None:
         return
     tic = time.perf_counter()
     r.last_val = (step, run_eval(r, r.val_set, r.cfg["val_batches"], "val"))
-    r.val0 = r.last_val[1] if step == 0 else r.val0
-    dt = time.perf_counter() - tic
+    r.val0, dt = r.last_val[1] if step == 0 else r.val0, time.perf_counter() - tic
     if r.coll.rank == 0:
         r.rep.line("val", step=step, val_loss=r.last_val[1], val_s=dt)
         r.rep.event("val", step, loss=r.last_val[1], val_s=round(dt, 4),
@@ -659,7 +601,7 @@ def validate(r, step: int) -> None:
 def train(r) -> int:
     """mlx-lm's train() loop on this run's data order, with a checkpoint at every save_every."""
     from mlx.utils import tree_flatten
-    from mlx_lm.tuner.trainer import _clear_cache, grad_checkpoint
+    from mlx_lm.tuner.trainer import _clear_cache, grad_checkpoint, iterate_batches
     from mlx_lm.utils import maybe_set_recommended_wired_limit
 
     mx, cfg, coll, rep, iters = r.mx, r.cfg, r.coll, r.rep, r.cfg["iters"]
@@ -678,12 +620,17 @@ def train(r) -> int:
         grad_checkpoint(r.model.layers[0])
     r.state = [r.model.state, r.optimizer.state, mx.random.state]
     step, t_wall = compiled_step(r), time.perf_counter()
-    # ---- before step 1: the step-0 validation, the compiled step's kernels ----
+    # ---- before step 1: the step-0 validation; the compiled step's kernels (over a minute on a fresh
+    # machine) built on one local batch with beats (no all-reduce hides behind them), the RNG put back ----
     if r.start == 0:
         validate(r, 0)
     r.model.train()
     if r.start < iters:
-        warm_up(r, step)
+        key, one = mx.random.state[0].tolist(), types.SimpleNamespace(rank=lambda: 0, size=lambda: r.shards)
+        with rep.beating("compile"):
+            mx.eval(step(next(iterate_batches(r.train_set, cfg["batch_size"], cfg["max_seq_length"],
+                                              comm_group=one)), None, False))
+        mx.random.seed((int(key[0]) << 32) | int(key[1]))  # as a resume restores it
         rep.beat("train", 0.0)  # step 1 still builds the update's kernels: seconds on a fresh machine
     for it in range(r.start + 1, iters + 1):
         # ---- one global batch: forward, backward, all-reduce, update ----
@@ -697,7 +644,15 @@ def train(r) -> int:
                  grad_norm=norm)
         rep.event("step", it, loss=loss, lr=lr, tokens=tokens, tok_per_s=tokens / dt if dt else None,
                   step_s=round(dt, 5), grad_norm=norm)
-        check_stability(r, it, loss)
+        # ---- stability: NaN/inf at any step, or divergence early on, stops every rank (global loss) ----
+        if not math.isfinite(loss):
+            raise failure(STABILITY, f"the loss is {loss} at step {it} (learning_rate "
+                                     f"{cfg['learning_rate']}): lower the learning rate, check the data and "
+                                     "the LoRA scale")
+        if it <= cfg["divergence_window"] and loss > cfg["divergence_factor"] * r.initial_loss:
+            raise failure(STABILITY, f"the loss diverged: {loss:.4g} at step {it} is more than "
+                                     f"{cfg['divergence_factor']}x the first step's {r.initial_loss:.4g} "
+                                     f"(learning_rate {cfg['learning_rate']}): lower the learning rate")
         # ---- report, validate, checkpoint: mlx-lm's cadence ----
         if it % cfg["steps_per_report"] == 0 or it == iters:
             report(r, it, lr)
@@ -715,9 +670,8 @@ def train(r) -> int:
 
 
 def finish(r, wall: float) -> int:
-    """The whole-split test evaluation (progress lines keep the watchdog fed), a warning when the
-    run made the model no better, then `done` naming the best-by-validation checkpoint: an mlx-lm
-    adapter folder as it is."""
+    """The whole-split test evaluation, a warning if validation did not improve on step 0, then `done`
+    naming the best-by-validation checkpoint (an mlx-lm adapter folder as it is)."""
     iters, rep = r.cfg["iters"], r.rep
     if r.cfg["test"]:  # load_data made sure the split is there
         tic = time.perf_counter()

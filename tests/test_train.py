@@ -598,7 +598,7 @@ def test_out_of_memory_ladder_keeps_the_global_batch():
     train = load_trainer()
     for n, (_, rung) in enumerate(rungs):
         args = train.build_parser().parse_args(rung[2:])
-        r = C.resolve(args.config, {**train.overrides(args), "model": "m", "data": "d"})
+        r = C.resolve(args.config, {**{k: getattr(args, k) for k, _ in train.FLAGS}, "model": "m", "data": "d"})
         assert r["batch_size"] == 2 and r["batch_size"] // 2 == 1  # one sequence per rank
         assert r["batch_size"] * r["grad_accumulation_steps"] == cfg["batch_size"]
         assert r["iters"] == cfg["iters"] * 4  # an mlx-lm iteration is one micro-batch
