@@ -49,12 +49,10 @@ from lib.log import DATA, OOM_RE, PARITY, STABILITY, RunbookError, error_of_code
 
 SPLITS = ("train", "valid", "test")
 CAFFEINATE = "/usr/bin/caffeinate"  # macOS; absent on Linux (tests point it at a fake)
-# Command-line overrides of config keys (precedence over the YAML), with mlx-lm's flag names.
+# The config keys the launcher, smoke and the OOM ladder override (over the YAML), by mlx-lm's flag names.
 FLAGS = (("model", str), ("data", str), ("iters", int), ("seed", int), ("batch_size", int),
-         ("learning_rate", float), ("num_layers", int), ("save_every", int), ("steps_per_eval", int),
-         ("steps_per_report", int), ("max_seq_length", int), ("grad_accumulation_steps", int),
-         ("val_batches", int), ("test_batches", int), ("keep_last_k", int), ("optimizer", str),
-         ("fine_tune_type", str))
+         ("optimizer", str), ("learning_rate", float), ("save_every", int), ("steps_per_eval", int),
+         ("steps_per_report", int), ("max_seq_length", int), ("grad_accumulation_steps", int))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,28 +162,25 @@ def keep_awake(rep: Reporter):
 
 
 # ---- distributed group --------------------------------------------------------------------------
-def init_group():
-    """mlx and the group: strict under mlx.launch (MLX_RANK); alone or an empty MLX_HOSTFILE: one rank."""
-    import mlx.core as mx  # check-parity made sure every host's interpreter has it
-
-    env, hostfile = os.environ.get, Path(os.environ.get("MLX_HOSTFILE") or "/nonexistent")
-    if hostfile.is_file() and not hostfile.read_text().strip():  # mlx.launch with a single host
-        os.environ.pop("MLX_HOSTFILE")
-        os.environ.pop("MLX_RANK", None)
-    backend = ("jaccl" if env("MLX_IBV_DEVICES") or env("MLX_JACCL_COORDINATOR") else "ring"
-               if env("MLX_HOSTFILE") else "mpi" if env("OMPI_COMM_WORLD_SIZE") else "none")
-    try:
-        group = mx.distributed.init(strict="MLX_RANK" in os.environ)
-    except Exception as e:
-        raise failure(PARITY, f"the distributed group did not form ({backend}): {e}") from e
-    return mx, group, backend if group.size() > 1 else "none"
-
-
 class Group:
-    """The collectives besides the gradient all-reduce (CPU stream; a world of one returns its input)."""
+    """mlx's group (strict under mlx.launch; alone, or with its empty MLX_HOSTFILE for one host, a world
+    of one) and the collectives besides the gradient all-reduce, on the CPU stream."""
 
-    def __init__(self, mx, group):
+    def __init__(self):
+        import mlx.core as mx  # check-parity made sure every host's interpreter has it
+
+        env, hostfile = os.environ.get, Path(os.environ.get("MLX_HOSTFILE") or "/nonexistent")
+        if hostfile.is_file() and not hostfile.read_text().strip():  # mlx.launch with a single host
+            os.environ.pop("MLX_HOSTFILE")
+            os.environ.pop("MLX_RANK", None)
+        backend = ("jaccl" if env("MLX_IBV_DEVICES") or env("MLX_JACCL_COORDINATOR") else "ring"
+                   if env("MLX_HOSTFILE") else "mpi" if env("OMPI_COMM_WORLD_SIZE") else "none")
+        try:
+            group = mx.distributed.init(strict="MLX_RANK" in os.environ)
+        except Exception as e:
+            raise failure(PARITY, f"the distributed group did not form ({backend}): {e}") from e
         self.mx, self.rank, self.size = mx, group.rank(), group.size()
+        self.backend = backend if self.size > 1 else "none"
 
     def sum(self, x):
         return self.mx.distributed.all_sum(x, stream=self.mx.cpu)
@@ -243,7 +238,7 @@ def load_data(cfg: dict, tokenizer, rep: Reporter):
             recs = list(jsonl.read(path)) if path.is_file() else []
             ds = CacheDataset(create_dataset(recs, tokenizer, types.SimpleNamespace(**cfg))) if recs else None
         except (ValueError, UnicodeDecodeError) as e:
-            raise failure(DATA, f"{path}: {e}".replace(f"{path}: {path}", str(path))) from e
+            raise failure(DATA, str(e) if str(path) in str(e) else f"{path}: {e}") from e
         for i in range(len(recs)):
             rep.beat("tokenize")
             try:
@@ -349,10 +344,10 @@ def main() -> int:
     rep.beat("start", 0.0)
     try:
         keep_awake(rep)
-        mx, group, backend = init_group()
-        if group.rank() != rank:  # MLX_RANK was dropped for a lone host
-            rep = Reporter(run_dir, group.rank())
-        return train(setup(args, mx, Group(mx, group), backend, rep))
+        coll = Group()
+        if coll.rank != rank:  # MLX_RANK was dropped for a lone host
+            rep = Reporter(run_dir, coll.rank)
+        return train(setup(args, coll, rep))
     except Exception as e:
         return fail(as_error(e), rep, args.launch_id)
 
@@ -363,13 +358,14 @@ def resolve_config(args, world: int) -> dict:
     return cfg
 
 
-def setup(args, mx, coll: Group, backend: str, rep: Reporter):
+def setup(args, coll: Group, rep: Reporter):
     """The run: its config, the data files (cheap, before the slow imports), the model, the records,
     then where it starts."""
     from importlib.metadata import version
 
     import numpy as np
 
+    mx, backend = coll.mx, coll.backend
     coll.sum(mx.array(1)).item()  # every rank reached this point: the group works both ways
     joined = {"rank": coll.rank, "world_size": coll.size, "host": socket.gethostname(), "backend": backend,
               "pid": os.getpid(), "launch_id": args.launch_id, "python": sys.executable,
@@ -438,8 +434,7 @@ def resume(r, path: Path | None, st: dict) -> None:
     w = r.coll.run(ckpt.read_fitting, r.mx.load, path, own_w, "adapters")
     o = r.coll.run(ckpt.read_fitting, r.mx.load, path, own_o, "optimizer")
     r.model.load_weights(list(r.coll.bcast(w, own_w).items()), strict=False)
-    r.optimizer.state = tree_unflatten(list(r.coll.bcast(o, own_o).items()))
-    k = st["rng"]["mx_key"]
+    r.optimizer.state, k = tree_unflatten(list(r.coll.bcast(o, own_o).items())), st["rng"]["mx_key"]
     r.mx.random.seed((int(k[0]) << 32) | int(k[1]))
     for it in range(1, st["step"] + 1):  # a function of the seed and n_batches (ckpt.pick checked it)
         r.batches.next(it)

@@ -1,10 +1,8 @@
 """Crash-safe training checkpoints (bin/train.py writes and resumes them, bin/smoke.py verifies them).
 
-checkpoints/step-0000300/ holds adapters.safetensors and adapter_config.json (an mlx-lm adapter folder),
-optimizer.safetensors, state.json and manifest.json (sha256 of each), built hidden and swapped in whole
-(lib.atomic.atomic_dir); checkpoints/latest names it, written last. A kill leaves a complete folder or
-a swept temporary; resume takes the newest folder that verifies. No mlx here: the trainer passes
-callables that write the files.
+checkpoints/step-0000300/ (an mlx-lm adapter folder, plus optimizer.safetensors, state.json and a sha256
+manifest.json) is built hidden and swapped in whole, then checkpoints/latest names it: a kill leaves a
+complete folder or a swept temporary; resume takes the newest that verifies. No mlx here.
 
     path = checkpoint.save(root, 300, {"adapters.safetensors": write_fn, ...}, state)
     chosen, skipped, notes = checkpoint.find_resume(root)
@@ -36,8 +34,7 @@ def name_of(step: int) -> str:
 
 
 def save(root: os.PathLike | str, step: int, writers: dict[str, Callable[[Path], None]], state: dict) -> Path:
-    """Checkpoint `step` under root: writers[name](path) writes each file, then state.json and the
-    manifest; the folder is swapped in whole (a same-step one replaced), then `latest` updated."""
+    """Checkpoint `step`: writers[name](path) writes each file, then state.json, the manifest, `latest`."""
     final, meta = Path(root) / name_of(step), {"step": step, "format_version": FORMAT}
     with atomic.atomic_dir(final) as tmp:
         for name, write in writers.items():
@@ -94,17 +91,17 @@ def latest_pointer(root: os.PathLike | str) -> str | None:
 
 def find_resume(root: os.PathLike | str) -> tuple[Path | None, list[tuple[str, str]], list[str]]:
     """The newest verified checkpoint, (name, reason) of each newer one skipped, notes on `latest`."""
-    skipped, chosen = [], None
+    skipped = []
     for p in listing(root):
         if (why := verify(p)[1]) == "ok":
-            chosen = p
             break
         skipped.append((p.name, why))
-    pointer, notes = latest_pointer(root), []
-    if chosen is not None and pointer != chosen.name:
-        notes.append(f"`{LATEST}` is missing or unreadable; using {chosen.name}" if pointer is None
-                     else f"`{LATEST}` says {pointer}; the newest verified checkpoint is {chosen.name}")
-    return chosen, skipped, notes
+    else:
+        return None, skipped, []
+    if (pointer := latest_pointer(root)) == p.name:
+        return p, skipped, []
+    return p, skipped, [f"`{LATEST}` is missing or unreadable; using {p.name}" if pointer is None
+                        else f"`{LATEST}` says {pointer}; the newest verified checkpoint is {p.name}"]
 
 
 def sweep_temporaries(root: os.PathLike | str) -> list[str]:
@@ -125,8 +122,7 @@ def best(root: os.PathLike | str) -> tuple[str, float] | None:
 
 
 def prune(root: os.PathLike | str, keep_last_k: int) -> list[str]:
-    """Delete (renamed hidden first) checkpoints beyond the newest keep_last_k, keeping the best by
-    validation loss, every final one and the `latest` target. Returns the names deleted."""
+    """Delete (hidden first) checkpoints past the newest keep_last_k but the best, finals and `latest`."""
     if keep_last_k < 2:
         raise ValueError("keep_last_k must be at least 2")
     root, folders = Path(root), listing(root)
@@ -136,19 +132,15 @@ def prune(root: os.PathLike | str, keep_last_k: int) -> list[str]:
         aside = root / f".deleting-{name}.{os.getpid()}.{time.time_ns()}"
         os.replace(root / name, aside)
         shutil.rmtree(aside, ignore_errors=True)
-    if deleted:
-        atomic.fsync_path(root)
+    atomic.fsync_path(root)
     return deleted
 
 
 # ---- the trainer's start: a fresh run or a resume ----------------------------------------------------
-RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.superseded.jsonl", "adapters")
-
-
 def archive_run(run_dir: os.PathLike | str) -> Path | None:
     """A fresh start moves an earlier run's checkpoints, metrics, adapter to superseded-<time>-<pid>/."""
-    run_dir = Path(run_dir)
-    if not (names := [n for n in RUN_FILES if (run_dir / n).exists()]):
+    run_dir, names = Path(run_dir), ("checkpoints", "metrics.jsonl", "metrics.superseded.jsonl", "adapters")
+    if not (names := [n for n in names if (run_dir / n).exists()]):
         return None
     dest = run_dir / f"superseded-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     dest.mkdir()
@@ -158,9 +150,8 @@ def archive_run(run_dir: os.PathLike | str) -> Path | None:
 
 
 def pick(root: Path, cfg: dict, files_sha: str, n_batches: int, say: Callable) -> tuple[Path, dict]:
-    """The newest verified checkpoint (damaged newer ones moved to quarantine-NAME-*, for forensics)
-    and its state; refused when the config's maths or the dataset changed since. say(name, **fields)
-    reports each decision."""
+    """The newest verified checkpoint and its state (newer damaged ones moved to quarantine-NAME-*), refused
+    if the config's maths or the dataset changed since; say(name, **fields) reports each decision."""
     chosen, skipped, notes = find_resume(root)
     for name, why in skipped:
         say("checkpoint-skip", name=name, reason=json.dumps(why))
@@ -208,9 +199,8 @@ def read_fitting(load: Callable[[str], dict], path: Path | None, own: dict, name
 
 
 def shards_for(st: dict, size: int, allow_change: bool, grad_average: str) -> tuple[int, dict | None]:
-    """(shares each global batch is cut into: the world size that began the run; the world change or
-    None). Another world size needs --allow-world-change and grad_average: tokens: each new rank then
-    accumulates the old ranks' shares, so the maths is the uninterrupted run's."""
+    """(shares of each global batch: the run's first world size; the world change or None). Another world
+    size needs --allow-world-change and grad_average: tokens (each rank accumulates the old ranks' shares)."""
     shards = st.get("shards", st.get("world_size", size))
     if shards == size:
         return shards, None
