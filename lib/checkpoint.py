@@ -106,12 +106,11 @@ def find_resume(root: os.PathLike | str) -> tuple[Path | None, list[tuple[str, s
 
 def sweep_temporaries(root: os.PathLike | str) -> list[str]:
     """Remove hidden temporaries left by a killed writer (only the single writer calls this)."""
-    root, removed = Path(root), []
-    for p in (root.iterdir() if root.is_dir() else []):
-        if p.name.startswith((".step-", ".deleting-")):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-            removed.append(p.name)
-    return removed
+    found = [p for p in (Path(root).iterdir() if Path(root).is_dir() else [])
+             if p.name.startswith((".step-", ".deleting-"))]  # folders: atomic_dir's and prune's
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in found]
 
 
 def best(root: os.PathLike | str) -> tuple[str, float] | None:
