@@ -23,6 +23,7 @@ and adapters/ (mlx-lm adapter folders). `progress rank R phase P` lines feed the
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -34,7 +35,7 @@ import threading
 import time
 import traceback
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from functools import partial
 from pathlib import Path
 
@@ -279,7 +280,8 @@ class Batches:
         out = []
         for gen in self.gens:  # every share draws the same permutation when an epoch starts
             self.np.random.set_state(self.rs.get_state())
-            out.append(next(gen))
+            with redirect_stdout(io.StringIO()):  # its truncation warning per batch: load_data warned once
+                out.append(next(gen))
         self.rs.set_state(self.np.random.get_state())
         if self.n_val and (it == 1 or it % self.spe == 0):
             self.rs.permutation(self.n_val)
