@@ -301,8 +301,9 @@ def test_reported_loss_matches_mlx_lm_lora_under_mlx_launch(baseline, model, dat
 
 
 def test_each_rank_gets_mlx_lms_batches(model, data):
-    """The trainer's batch plan and DataOrder against mlx-lm's own iterate_batches, for
-    rank 0 and rank 1 of 2 and for a single rank, over three epochs."""
+    """The trainer's Batches against mlx-lm's own iterate_batches seeded as `mlx_lm lora` seeds it,
+    for rank 0 and rank 1 of 2 and for a single rank, over three epochs; after a world change one
+    rank's two shares are the two ranks' batches."""
     import types
 
     import numpy as np
