@@ -13,11 +13,15 @@ mlx-lm's LoRA training (its load, LoRA layers, datasets, iterate_batches, defaul
 chunked loss, evaluate, compiled step) with exact resume: weights, optimizer, RNG key and report window
 in each checkpoint (lib/checkpoint.py), the data order replayed from the seed. batch_size is the global
 batch; `grad_average: tokens` weights each rank by its tokens; --allow-world-change resumes on fewer ranks.
-Rank R writes (the contract with lib/launch.py) logs/rank-R.joined.json when the group is up (then the
-records and dataset hashes), logs/rank-R.failure.json (category, kind, anchor, step, exit_code, launch_id)
-and logs/rank-R.log (its stdout, timestamped); rank 0 metrics.jsonl (step, train, val, test, checkpoint,
-warning, done events; a resume moves later ones to metrics.superseded.jsonl), checkpoints/step-NNNNNNN/
-and adapters/ (mlx-lm adapter folders). `progress rank R phase P` lines feed the launcher's watchdog.
+Without --resume an earlier run moves to superseded-<time>-<pid>/.
+
+The contract with lib/launch.py: rank R writes logs/rank-R.joined.json when the group is up (then the
+records and dataset hashes), logs/rank-R.failure.json (category, kind, anchor, step, exit_code, launch_id;
+a failure before training is agreed by every rank) and logs/rank-R.log (its stdout, timestamped); rank 0
+metrics.jsonl (step, train, val, test, checkpoint, world-change, warning, done events; a resume moves later
+ones to metrics.superseded.jsonl), checkpoints/step-NNNNNNN/ and adapters/ (mlx-lm adapter folders).
+Stdout: `rank-joined`, `progress rank R phase P` (the watchdog's signal), `iter N rank R loss X`, `iter N
+train_loss X ...`, `val`, `checkpoint`, `test`, `warning`, `done step N ... best_adapter PATH`, `failed`.
 """
 
 from __future__ import annotations
