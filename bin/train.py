@@ -5,31 +5,29 @@ Usage:
     mlx.launch --hostfile HOSTFILE --backend ring -- PYTHON bin/train.py --config CONFIG --model MODEL \
         --data datasets/NAME --run-dir runs/RUN [--resume [--allow-world-change]] [--iters N] [--seed S] \
         [--expect-world-size W] [--launch-id ID] [--stop-at-step K]
+Example (one rank, on the demo's export):
+    .venv/bin/python bin/train.py --config configs/demo.yaml --model models/tiny-gemma4 \
+        --data datasets/demo --run-dir runs/try
 
-mlx-lm's LoRA training (loading, LoRA layers, datasets, batches, default_loss or lib/loss.py's
+mlx-lm's LoRA training (its load, LoRA layers, datasets, iterate_batches, default_loss or lib/loss.py's
 chunked loss, evaluate, compiled step) with exact resume: weights, optimizer, RNG key and report window
-in each checkpoint, the data order replayed from the seed; with --allow-world-change on fewer ranks,
-each accumulating the old ranks' shares. batch_size is the global batch; `grad_average: tokens`
-weights each rank by its tokens (a dual run computes the control's maths). macOS: caffeinate per rank.
+in each checkpoint (lib/checkpoint.py), the data order replayed from the seed. batch_size is the global
+batch; `grad_average: tokens` weights each rank by its tokens; --allow-world-change resumes on fewer ranks.
+Without --resume an earlier run moves to superseded-<time>-<pid>/.
 
-Files under --run-dir (the contract with lib/launch.py):
-    logs/rank-R.joined.json   the group is up (rank, world_size, host, backend, pid, launch_id, versions);
-                              after loading also records(_by_split), dataset_sha256, files_sha256.
-    logs/rank-R.failure.json  category, kind, anchor, message, step, exit_code (lib.log.FAILURES),
-                              launch_id.
-    logs/rank-R.log           every line the rank printed, timestamped.
-    metrics.jsonl             rank 0: step, train, val, test, checkpoint, world-change, warning and done
-                              events; a resume moves later ones to metrics.superseded.jsonl.
-    checkpoints/step-NNNNNNN/ each an mlx-lm adapter folder (--adapter-path as is); adapters/ the newest.
-Stdout: `rank-joined`, `progress rank R phase P` (the watchdog's signal), `iter N rank R loss X` (each
-step, each rank), `iter N train_loss X`, `val`, `checkpoint`, `test`, `warning`, `done ... best_adapter
-PATH`, `failed`. A failure before training is agreed by all ranks; NaN/divergence is judged on the
-global loss. Without --resume an earlier run moves to superseded-<time>-<pid>/.
+The contract with lib/launch.py: rank R writes logs/rank-R.joined.json when the group is up (then the
+records and dataset hashes), logs/rank-R.failure.json (category, kind, anchor, step, exit_code, launch_id;
+a failure before training is agreed by every rank) and logs/rank-R.log (its stdout, timestamped); rank 0
+metrics.jsonl (step, train, val, test, checkpoint, world-change, warning, done events; a resume moves later
+ones to metrics.superseded.jsonl), checkpoints/step-NNNNNNN/ and adapters/ (mlx-lm adapter folders).
+Stdout: `rank-joined`, `progress rank R phase P` (the watchdog's signal), `iter N rank R loss X`, `iter N
+train_loss X ...`, `val`, `checkpoint`, `test`, `warning`, `done step N ... best_adapter PATH`, `failed`.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -41,7 +39,7 @@ import threading
 import time
 import traceback
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from functools import partial
 from pathlib import Path
 
@@ -52,16 +50,14 @@ from lib import checkpoint as ckpt  # noqa: E402
 from lib import config as C  # noqa: E402
 from lib.dataset import read_manifest  # noqa: E402
 from lib.hashing import digest_of, sha256_file  # noqa: E402
-from lib.log import DATA, OOM_RE, PARITY, STABILITY, RunbookError, error_of_code, failure, fmt  # noqa: E402
+from lib.log import DATA, OOM_RE, PARITY, STABILITY, RunbookError, error_of_code, event, failure  # noqa: E402
 
 SPLITS = ("train", "valid", "test")
 CAFFEINATE = "/usr/bin/caffeinate"  # macOS; absent on Linux (tests point it at a fake)
-# Command-line overrides of config keys (precedence over the YAML), with mlx-lm's flag names.
+# The config keys the launcher, smoke and the OOM ladder override (over the YAML), by mlx-lm's flag names.
 FLAGS = (("model", str), ("data", str), ("iters", int), ("seed", int), ("batch_size", int),
-         ("learning_rate", float), ("num_layers", int), ("save_every", int), ("steps_per_eval", int),
-         ("steps_per_report", int), ("max_seq_length", int), ("grad_accumulation_steps", int),
-         ("val_batches", int), ("test_batches", int), ("keep_last_k", int), ("optimizer", str),
-         ("fine_tune_type", str))
+         ("optimizer", str), ("learning_rate", float), ("save_every", int), ("steps_per_eval", int),
+         ("steps_per_report", int), ("max_seq_length", int), ("grad_accumulation_steps", int))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,14 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def overrides(args) -> dict:
-    return {key: getattr(args, key) for key, _ in FLAGS}
-
-
 # ---- per-rank output ------------------------------------------------------------------------------
 class Reporter:
-    """The rank's output, a small callback object: one plain line per event on stdout and in
-    logs/rank-R.log; on rank 0 also metrics.jsonl. `step` is what a failure report names."""
+    """The rank's lines on stdout and in logs/rank-R.log; rank 0's metrics.jsonl; the step a failure names."""
 
     def __init__(self, run_dir: Path, rank: int):
         self.run_dir, self.rank, self.step, self.metrics = run_dir, rank, None, None
@@ -96,9 +87,7 @@ class Reporter:
         self.t0 = self.last_beat = time.monotonic()
 
     def line(self, name: str, /, **fields) -> None:
-        text = " ".join([name] + [f"{k} {fmt(v)}" for k, v in fields.items()])
-        print(text, flush=True)
-        self.log.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {text}\n")
+        self.log.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {event(name, **fields)}\n")
         self.log.flush()
 
     def warn(self, message: str) -> None:
@@ -112,15 +101,13 @@ class Reporter:
 
     @contextmanager
     def beating(self, phase: str):
-        """A progress line now and every 3 s until the block ends: only around one long local call
-        with no collective in it. The beats stop before the rank says anything else."""
+        """Progress lines every 3 s around one long local call without collectives; they stop first."""
         self.beat(phase, 0.0)
         done, t0 = threading.Event(), time.monotonic()
 
         def beats() -> None:
             while not done.wait(3.0):
-                self.last_beat = time.monotonic()
-                self.line("progress", rank=self.rank, phase=phase, elapsed_s=round(self.last_beat - t0))
+                self.line("progress", rank=self.rank, phase=phase, elapsed_s=round(time.monotonic() - t0))
 
         thread = threading.Thread(target=beats, daemon=True)
         thread.start()
@@ -180,77 +167,61 @@ def keep_awake(rep: Reporter):
 
 
 # ---- distributed group --------------------------------------------------------------------------
-def init_group():
-    """mlx and the global group. Under mlx.launch (MLX_RANK set) the group must form (strict);
-    a lone rank, or mlx.launch's empty MLX_HOSTFILE for one host, is a world of 1."""
-    try:
-        import mlx.core as mx
-    except Exception as e:  # wrong interpreter or broken install
-        raise failure(PARITY, f"{sys.executable} cannot import mlx ({type(e).__name__}: {e}); every host "
-                              "must run the same interpreter with the locked packages") from e
-    hostfile = os.environ.get("MLX_HOSTFILE")
-    if hostfile and Path(hostfile).is_file() and not Path(hostfile).read_text().strip():
-        os.environ.pop("MLX_HOSTFILE")  # mlx.launch with a single host
-        os.environ.pop("MLX_RANK", None)
-    env = os.environ.get
-    backend = ("jaccl" if env("MLX_IBV_DEVICES") or env("MLX_JACCL_COORDINATOR") else "ring"
-               if env("MLX_HOSTFILE") else "mpi" if env("OMPI_COMM_WORLD_SIZE") else "none")
-    try:
-        group = mx.distributed.init(strict="MLX_RANK" in os.environ)
-    except Exception as e:
-        raise failure(PARITY, f"the distributed group did not form ({backend}): {e}") from e
-    return mx, group, backend if group.size() > 1 else "none"
-
-
 class Group:
-    """The collectives the trainer needs besides the gradient all-reduce (CPU stream; on a world
-    of one they return their input)."""
+    """mlx's group (strict under mlx.launch; alone, or with its empty MLX_HOSTFILE for one host, a world
+    of one) and the collectives besides the gradient all-reduce, on the CPU stream."""
 
-    def __init__(self, mx, group):
+    def __init__(self):
+        import mlx.core as mx  # check-parity made sure every host's interpreter has it
+
+        env, hostfile = os.environ.get, Path(os.environ.get("MLX_HOSTFILE") or "/nonexistent")
+        if hostfile.is_file() and not hostfile.read_text().strip():  # mlx.launch with a single host
+            os.environ.pop("MLX_HOSTFILE")
+            os.environ.pop("MLX_RANK", None)
+        backend = ("jaccl" if env("MLX_IBV_DEVICES") or env("MLX_JACCL_COORDINATOR") else "ring"
+                   if env("MLX_HOSTFILE") else "mpi" if env("OMPI_COMM_WORLD_SIZE") else "none")
+        try:
+            group = mx.distributed.init(strict="MLX_RANK" in os.environ)
+        except Exception as e:
+            raise failure(PARITY, f"the distributed group did not form ({backend}): {e}") from e
         self.mx, self.rank, self.size = mx, group.rank(), group.size()
+        self.backend = backend if self.size > 1 else "none"
 
     def sum(self, x):
         return self.mx.distributed.all_sum(x, stream=self.mx.cpu)
 
-    def agree(self, err: RunbookError | None) -> None:
-        """Every rank learns whether any rank failed here; all stop with that rank's exit code."""
-        codes = [0] * self.size
-        codes[self.rank] = err.exit_code if err else 0
+    def run(self, fn, *a, **kw):
+        """Run one local phase (fn None: nothing); if any rank fails, all stop with its exit code."""
+        out, err, codes = None, None, [0] * self.size
+        try:
+            out = fn(*a, **kw) if fn else None
+        except Exception as e:
+            err = as_error(e)
+            codes[self.rank] = err.exit_code
         codes = self.sum(self.mx.array(codes)).tolist()
         if err:
             raise err
         if failed := [r for r, c in enumerate(codes) if c]:
             raise error_of_code(codes[failed[0]], f"rank(s) {failed} failed (exit {codes[failed[0]]}); "
                                                   "see their logs/rank-R.failure.json")
-
-    def run(self, fn, *a, **kw):
-        """Run one local phase (fn None: nothing here); any failure is agreed with the other ranks."""
-        try:
-            out, err = (fn(*a, **kw) if fn else None), None
-        except Exception as e:
-            out, err = None, as_error(e)
-        self.agree(err)
         return out
 
-    def bcast_bytes(self, data: bytes | None) -> bytes:
-        mx = self.mx
-        n = int(self.sum(mx.array([len(data) if self.rank == 0 else 0])).item())
-        mine = mx.array(list(data)) if self.rank == 0 else mx.zeros((n,), mx.int32)
-        return bytes(self.sum(mine.astype(mx.int32)).tolist())
-
-    def bcast_arrays(self, flat: dict | None, like: dict) -> dict:
-        """Rank 0's tensors to every rank (the others add zeros shaped like their own)."""
-        mx = self.mx
-        out = {k: self.sum(flat[k] if self.rank == 0 else mx.zeros(v.shape, v.dtype))
+    def bcast(self, flat: dict | None, like: dict) -> dict:
+        """Rank 0's arrays to every rank (the others add zeros shaped like `like`)."""
+        out = {k: self.sum(flat[k] if self.rank == 0 else self.mx.zeros(v.shape, v.dtype))
                for k, v in sorted(like.items())}
         self.mx.eval(list(out.values()))
         return out
 
+    def bcast_json(self, obj):
+        mx, data = self.mx, json.dumps(obj).encode() if self.rank == 0 else b""
+        like = {"b": mx.zeros((int(self.sum(mx.array(len(data))).item()),), mx.int32)}
+        return json.loads(bytes(self.bcast({"b": mx.array(list(data), mx.int32)}, like)["b"].tolist()))
+
 
 # ---- data ----------------------------------------------------------------------------------------
 def check_data_files(cfg: dict) -> tuple[str, str]:
-    """(dataset_sha256: its manifest's, else the files', files_sha256: of the split files present).
-    Their bytes were verified by sync, and across hosts by check-parity before the launch."""
+    """(dataset_sha256: its manifest's, else the files', files_sha256: of the split files present)."""
     d = Path(cfg["data"])
     if not (d / "train.jsonl").is_file():
         raise failure(DATA, f"dataset {d / 'train.jsonl' if d.is_dir() else d} not found on "
@@ -260,101 +231,73 @@ def check_data_files(cfg: dict) -> tuple[str, str]:
     return str(man.get("dataset_sha256") or digest_of(present)), digest_of(present)
 
 
-def load_split(path: Path, cfg: dict, tokenizer, rep: Reporter):
-    """One split as mlx-lm's dataset (create_dataset in a CacheDataset), every record tokenized
-    now so that a bad one fails here, naming file and line: (dataset or None, tokens, too long)."""
+def load_data(cfg: dict, tokenizer, rep: Reporter):
+    """The splits as mlx-lm datasets (None if empty), tokenized now so a bad record fails naming file
+    and line: (sets, records by split, tokens by split)."""
     from mlx_lm.tuner.datasets import CacheDataset, create_dataset
 
-    try:
-        records = list(jsonl.read(path)) if path.is_file() else []
-    except (ValueError, UnicodeDecodeError) as e:
-        raise failure(DATA, str(e)) from e
-    if not records:
-        return None, 0, 0
-    if bad := next((n for n, rec in enumerate(records, 1) if not isinstance(rec, dict)), None):
-        raise failure(DATA, f"{path}:{bad}: a record is a JSON object, got {type(records[bad - 1]).__name__}")
-    try:
-        ds = CacheDataset(create_dataset(records, tokenizer, types.SimpleNamespace(**cfg)))
-    except ValueError as e:
-        raise failure(DATA, f"{path}: {e}".strip()) from e
-    lengths = []
-    for i in range(len(ds)):
-        rep.beat("tokenize")
+    d, bs, sets, counts, tokens, long = Path(cfg["data"]), cfg["batch_size"], {}, {}, {}, 0
+    for split in SPLITS:
+        path, lengths = d / f"{split}.jsonl", []
         try:
-            lengths.append(len(ds[i][0]))
-        except Exception as e:
-            raise failure(DATA, f"{path}:{i + 1} (record_id {records[i].get('record_id', '?')}) does not "
-                                f"tokenize: {type(e).__name__}: {e}") from e
-    return ds, sum(lengths), sum(n > cfg["max_seq_length"] for n in lengths)
-
-
-def load_data(cfg: dict, tokenizer, rep: Reporter):
-    """train/valid/test as mlx-lm datasets: (sets, records by split, tokens by split)."""
-    d, bs = Path(cfg["data"]), cfg["batch_size"]
-    out = {split: load_split(d / f"{split}.jsonl", cfg, tokenizer, rep) for split in SPLITS}
-    sets = {split: ds for split, (ds, _, _) in out.items()}
-    counts = {split: len(ds) if ds else 0 for split, ds in sets.items()}
-    if not counts["train"]:
-        raise failure(DATA, f"{d}/train.jsonl has no records")
-    if cfg["test"] and not counts["test"]:
-        raise failure(DATA, f"test: true but {d}/test.jsonl is missing or empty")
-    for split, needed in (("train", True), ("valid", cfg["val_batches"] != 0), ("test", cfg["test"])):
-        if needed and 0 < counts[split] < bs:
-            raise failure(DATA, f"{d}/{split}.jsonl has {counts[split]} records, fewer than batch_size {bs}: "
-                                "export more records or lower batch_size")
-    if long := sum(n for _, _, n in out.values()):
+            recs = list(jsonl.read(path)) if path.is_file() else []
+            ds = CacheDataset(create_dataset(recs, tokenizer, types.SimpleNamespace(**cfg))) if recs else None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise failure(DATA, str(e) if str(path) in str(e) else f"{path}: {e}") from e
+        for i in range(len(recs)):
+            rep.beat("tokenize")
+            try:
+                lengths.append(len(ds[i][0]))
+            except Exception as e:
+                raise failure(DATA, f"{path}:{i + 1} (record_id {recs[i].get('record_id', '?')}) does not "
+                                    f"tokenize: {type(e).__name__}: {e}") from e
+        sets[split], counts[split], tokens[split] = ds, len(recs), sum(lengths)
+        long += sum(n > cfg["max_seq_length"] for n in lengths)
+        needed = {"train": True, "valid": cfg["val_batches"] != 0, "test": cfg["test"]}[split]
+        if needed and 0 < len(recs) < bs:
+            raise failure(DATA, f"{path} has {len(recs)} records, fewer than batch_size {bs}: export more "
+                                "records or lower batch_size")
+    if not counts["train"] or (cfg["test"] and not counts["test"]):
+        raise failure(DATA, f"{d}/train.jsonl has no records" if not counts["train"] else
+                      f"test: true but {d}/test.jsonl is missing or empty")
+    if long:
         rep.warn(f"{long} records are longer than max_seq_length {cfg['max_seq_length']} and are truncated")
-    return sets, counts, {split: t for split, (_, t, _) in out.items()}
+    return sets, counts, tokens
 
 
-def batch_plan(dataset, batch_size: int, rank: int, size: int) -> list[list[int]]:
-    """mlx-lm's iterate_batches before its loop: records sorted by CacheDataset.itemlen, cut
-    into global batches, each rank taking every size-th record of each."""
-    idx, bs = sorted(range(len(dataset)), key=dataset.itemlen), batch_size
-    return [idx[i + rank: i + rank + bs: size] for i in range(0, len(idx) - bs + 1, bs)]
+class Batches:
+    """This rank's train batches: mlx-lm's iterate_batches (looping) for each of its shares of the global
+    batch (after a world change, the old ranks' several), drawing from one numpy stream seeded with the
+    seed as `mlx_lm lora` does, where validation (iteration 1 and every steps_per_eval; here not at the
+    last, so the order does not depend on `iters`) draws a permutation too. Resume replays next(1..k)."""
 
+    def __init__(self, np, dataset, cfg: dict, shares, shards: int, n_val: int):
+        from mlx_lm.tuner.trainer import iterate_batches
 
-def make_batch(mx, np, dataset, indices: list[int], max_seq_length: int):
-    """mlx-lm's iterate_batches, the body of its loop (padding to 1 + a multiple of 32)."""
-    batch = [dataset[j] for j in indices]
-    batch, offsets = zip(*batch, strict=True) if len(batch[0]) == 2 else (batch, [0] * len(batch))
-    lengths = [min(len(x), max_seq_length) for x in batch]
-    width = min(1 + 32 * ((max(len(x) for x in batch) + 31) // 32), max_seq_length)
-    arr = np.zeros((len(indices), width), np.int32)
-    for j, n in enumerate(lengths):
-        arr[j, :n] = batch[j][:n]
-    return mx.array(arr), mx.array(list(zip(offsets, lengths, strict=True)))
+        self.np, self.rs, self.n_val = np, np.random.RandomState(cfg["seed"]), n_val
+        self.spe = cfg["steps_per_eval"]
+        groups = [types.SimpleNamespace(rank=lambda j=j: j, size=lambda: shards) for j in shares]
+        self.gens = [iterate_batches(dataset, cfg["batch_size"], cfg["max_seq_length"], True, comm_group=g)
+                     for g in groups]
 
-
-class DataOrder:
-    """The train batch order of mlx-lm's lora. mlx-lm seeds numpy with the seed, then draws one
-    permutation of the batches per epoch and one of the validation batches whenever it validates
-    (iteration 1 and every steps_per_eval), in that order; this replays that stream in its own
-    RandomState, so a resume at step k replays next(1..k) and continues exactly. The draw mlx-lm
-    makes when it validates at its last iteration is left out: no train batch follows it, and
-    leaving it out keeps the order independent of `iters` (a run can be extended)."""
-
-    def __init__(self, np, seed: int, n_batches: int, n_val_batches: int, steps_per_eval: int):
-        self.rs, self.n, self.n_val = np.random.RandomState(seed), n_batches, n_val_batches
-        self.spe = steps_per_eval
-        self.perm, self.pos, self.epoch = [], 0, -1
-
-    def next(self, it: int) -> int:
-        if self.pos >= len(self.perm):
-            self.perm, self.pos, self.epoch = [int(i) for i in self.rs.permutation(self.n)], 0, self.epoch + 1
-        self.pos += 1
+    def next(self, it: int) -> list:
+        out = []
+        for gen in self.gens:  # every share draws the same permutation when an epoch starts
+            self.np.random.set_state(self.rs.get_state())
+            with redirect_stdout(io.StringIO()):  # its truncation warning per batch: load_data warned once
+                out.append(next(gen))
+        self.rs.set_state(self.np.random.get_state())
         if self.n_val and (it == 1 or it % self.spe == 0):
             self.rs.permutation(self.n_val)
-        return self.perm[self.pos - 1]
+        return out
 
 
 # ---- model ---------------------------------------------------------------------------------------
 def load_model(cfg: dict, rep: Reporter):
-    """mlx-lm's load (its import alone takes seconds), with progress lines while it reads (or
-    downloads) the weights."""
-    m = cfg["model"]
+    """mlx-lm's load (its import alone takes seconds), with progress lines while it reads the weights."""
+    m, host = cfg["model"], socket.gethostname()
     if (m.startswith((".", "/", "~", "models/")) or Path(m).exists()) and not Path(m).expanduser().is_dir():
-        raise failure(DATA, f"model folder {m} not found on {socket.gethostname()} (cwd {os.getcwd()}); run "
+        raise failure(DATA, f"model folder {m} not found on {host} (cwd {os.getcwd()}); run "
                             "`make tiny-model` or `make sync SYNC_MODEL=1`")
     with rep.beating("load-model"):
         try:
@@ -363,8 +306,8 @@ def load_model(cfg: dict, rep: Reporter):
             return load(m, tokenizer_config={"trust_remote_code": cfg["trust_remote_code"]},
                         trust_remote_code=cfg["trust_remote_code"])
         except (FileNotFoundError, ValueError, OSError) as e:
-            raise failure(DATA, f"model {m} does not load on {socket.gethostname()} ({type(e).__name__}: "
-                                f"{e}); run `make sync SYNC_MODEL=1`") from e
+            raise failure(DATA, f"model {m} does not load on {host} ({type(e).__name__}: {e}); run "
+                                "`make sync SYNC_MODEL=1`") from e
 
 
 def prepare_model(mx, model, cfg: dict):
@@ -396,7 +339,7 @@ def prepare_model(mx, model, cfg: dict):
     return opt
 
 
-# ---- setup: the group, config, data and model, each agreed by every rank ----------------------------
+# ---- setup: the group, config, data, model and checkpoint, each agreed by every rank -----------------
 def main() -> int:
     args = build_parser().parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")  # as mlx_lm lora sets it
@@ -407,26 +350,28 @@ def main() -> int:
     rep.beat("start", 0.0)
     try:
         keep_awake(rep)
-        mx, group, backend = init_group()
-        if group.rank() != rank:  # MLX_RANK was dropped for a lone host
-            rep = Reporter(run_dir, group.rank())
-        return train(start(setup(args, mx, Group(mx, group), backend, rep)))
+        coll = Group()
+        if coll.rank != rank:  # MLX_RANK was dropped for a lone host
+            rep = Reporter(run_dir, coll.rank)
+        return train(setup(args, coll, rep))
     except Exception as e:
         return fail(as_error(e), rep, args.launch_id)
 
 
 def resolve_config(args, world: int) -> dict:
-    cfg = C.resolve(args.config, overrides(args))
+    cfg = C.resolve(args.config, {key: getattr(args, key) for key, _ in FLAGS})
     C.check_world(cfg, world)
     return cfg
 
 
-def setup(args, mx, coll: Group, backend: str, rep: Reporter):
-    """The run: its config, the data files (cheap, before the slow imports), the model, the records."""
+def setup(args, coll: Group, rep: Reporter):
+    """The run: its config, the data files (cheap, before the slow imports), the model, the records,
+    then where it starts."""
     from importlib.metadata import version
 
     import numpy as np
 
+    mx, backend = coll.mx, coll.backend
     coll.sum(mx.array(1)).item()  # every rank reached this point: the group works both ways
     joined = {"rank": coll.rank, "world_size": coll.size, "host": socket.gethostname(), "backend": backend,
               "pid": os.getpid(), "launch_id": args.launch_id, "python": sys.executable,
@@ -453,64 +398,52 @@ def setup(args, mx, coll: Group, backend: str, rep: Reporter):
     if r.val_set is None and cfg["val_batches"] != 0:
         rep.warn(f"{cfg['data']}/valid.jsonl missing or empty: training proceeds without validation")
     r.optimizer = coll.run(prepare_model, mx, r.model, cfg)
-    return r
-
-
-def start(r):
-    """The data order, then a fresh start or rank 0's checkpoint on every rank."""
-    cfg, coll = r.cfg, r.coll
+    # ---- a fresh start (rank 0 moves an earlier run aside) or rank 0's checkpoint on every rank ----
+    bs = cfg["batch_size"]
+    r.n_batches = len(r.train_set) // bs
     picked = coll.run(pick_checkpoint if coll.rank == 0 else None, r)
-    st = json.loads(coll.bcast_bytes(json.dumps(picked and picked[1]).encode())) if r.args.resume else {}
+    st = coll.bcast_json(picked and picked[1]) if r.args.resume else {}
     r.shards, r.world_change = (ckpt.shards_for(st, coll.size, r.args.allow_world_change, cfg["grad_average"])
                                 if st else (coll.size, None))
     if r.world_change:
         r.rep.line("world-change", rank=coll.rank, **r.world_change)
-    # this rank's shares of each global batch: one, or after a world change the old ranks' several
-    shares = range(coll.rank, r.shards, coll.size)
-    r.plans = [batch_plan(r.train_set, cfg["batch_size"], j, r.shards) for j in shares]
-    n_val = len(r.val_set) // cfg["batch_size"] if r.val_set is not None and cfg["val_batches"] != 0 else 0
-    r.order = DataOrder(r.np, cfg["seed"], len(r.plans[0]), n_val, cfg["steps_per_eval"])
+    n_val = len(r.val_set) // bs if r.val_set is not None and cfg["val_batches"] != 0 else 0
+    r.batches = Batches(r.np, r.train_set, cfg, range(coll.rank, r.shards, coll.size), r.shards, n_val)
     if st:
-        resume(r, picked, st)
+        resume(r, picked and picked[0], st)
     # mlx-lm's report window (mean losses, tokens and steps since the last report), over every rank
     w = st.get("window", {"loss": 0.0, "tokens": 0, "steps": 0})
     if isinstance(w["loss"], list):  # a checkpoint of the trainer before 2026-11-24: a window per rank
         w = {"loss": sum(w["loss"]) / len(w["loss"]), "tokens": sum(w["tokens"]), "steps": w["steps"]}
-    r.window = w
-    r.start, r.trained_tokens = st.get("step", 0), st.get("trained_tokens", 0)
+    r.window, r.start, r.trained_tokens = w, st.get("step", 0), st.get("trained_tokens", 0)
     r.initial_loss, r.val0, r.last_val = st.get("initial_loss"), st.get("val0"), None
     r.train_time, r.ckpt_time, r.grad = 0.0, 0.0, None
-    r.mx.eval(r.model.parameters(), r.optimizer.state)
+    mx.eval(r.model.parameters(), r.optimizer.state)
     return r
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------
 def pick_checkpoint(r) -> tuple[Path, dict] | None:
     """Rank 0: a fresh start moves an earlier run aside; a resume takes the newest verified checkpoint."""
-    if not r.args.resume:
-        if dest := ckpt.archive_run(r.run_dir):
-            r.rep.line("fresh-start", rank=0, archived=dest)
-        return None
-    n_batches = len(r.train_set) // r.cfg["batch_size"]
-    return ckpt.pick(r.ckroot, r.cfg, r.files_sha, n_batches, partial(r.rep.line, rank=0))
+    if r.args.resume:
+        return ckpt.pick(r.ckroot, r.cfg, r.files_sha, r.n_batches, partial(r.rep.line, rank=0))
+    if dest := ckpt.archive_run(r.run_dir):
+        r.rep.line("fresh-start", rank=0, archived=dest)
+    return None
 
 
-def resume(r, picked: tuple[Path, dict] | None, st: dict) -> None:
-    """Every rank takes rank 0's checkpoint: weights, optimizer, RNG key, data position."""
+def resume(r, path: Path | None, st: dict) -> None:
+    """Every rank takes rank 0's checkpoint (`path`): weights, optimizer, RNG key; the data order replayed."""
     from mlx.utils import tree_flatten, tree_unflatten
 
     own_w, own_o = dict(tree_flatten(r.model.trainable_parameters())), dict(tree_flatten(r.optimizer.state))
-    w = r.coll.run(ckpt.read_fitting, r.mx.load, picked and picked[0], own_w, "adapters")
-    o = r.coll.run(ckpt.read_fitting, r.mx.load, picked and picked[0], own_o, "optimizer")
-    r.model.load_weights(list(r.coll.bcast_arrays(w, own_w).items()), strict=False)
-    r.optimizer.state = tree_unflatten(list(r.coll.bcast_arrays(o, own_o).items()))
-    k = st["rng"]["mx_key"]
+    w = r.coll.run(ckpt.read_fitting, r.mx.load, path, own_w, "adapters")
+    o = r.coll.run(ckpt.read_fitting, r.mx.load, path, own_o, "optimizer")
+    r.model.load_weights(list(r.coll.bcast(w, own_w).items()), strict=False)
+    r.optimizer.state, k = tree_unflatten(list(r.coll.bcast(o, own_o).items())), st["rng"]["mx_key"]
     r.mx.random.seed((int(k[0]) << 32) | int(k[1]))
-    for it in range(1, st["step"] + 1):  # the data order is a function of the seed: replay it
-        r.order.next(it)
-    if (r.order.epoch, r.order.pos) != (st["data"]["epoch"], st["data"]["pos"]):
-        raise failure(DATA, f"the replayed data order is at epoch {r.order.epoch} position {r.order.pos}, "
-                            f"the checkpoint says {st['data']['epoch']}/{st['data']['pos']}: start a new RUN")
+    for it in range(1, st["step"] + 1):  # a function of the seed and n_batches (ckpt.pick checked it)
+        r.batches.next(it)
     if r.coll.rank == 0 and (moved := ckpt.supersede_metrics(r.run_dir, st["step"])):
         r.rep.line("metrics-superseded", rank=0, events=moved, after_step=st["step"])
 
@@ -523,7 +456,7 @@ def adapter_config(r, path: Path) -> dict:
 
 
 def save_checkpoint(r, step: int, final: bool = False) -> None:
-    """Rank 0 writes the checkpoint, every rank agrees it was written."""
+    """Rank 0 writes the checkpoint (write_checkpoint), every rank agrees it was written."""
     tic = time.perf_counter()
     val_loss = r.last_val[1] if r.last_val and r.last_val[0] == step else None
     writer = write_checkpoint if r.coll.rank == 0 else None
@@ -537,18 +470,17 @@ def save_checkpoint(r, step: int, final: bool = False) -> None:
 
 
 def write_checkpoint(r, step: int, final: bool, val_loss: float | None) -> tuple[Path, list[str]]:
-    """Rank 0: checkpoints/step-N (weights, optimizer, state, adapter_config.json), pruning,
-    then adapters/adapters.safetensors replaced by the checkpoint's copy."""
+    """checkpoints/step-N (weights, optimizer, state, adapter_config.json), pruning, adapters/ updated."""
     from mlx.utils import tree_flatten
 
-    mx, meta, k = r.mx, {"format": "mlx", "step": str(step)}, r.mx.random.state[0].tolist()
+    mx, meta, k, n = r.mx, {"format": "mlx", "step": str(step)}, r.mx.random.state[0].tolist(), r.n_batches
     weights, opt = dict(tree_flatten(r.model.trainable_parameters())), dict(tree_flatten(r.optimizer.state))
     config = atomic.dumps_json(adapter_config(r, r.ckroot / ckpt.name_of(step)))
     state = {"config": r.cfg, "config_sha256": r.chash, "dataset_sha256": r.ds_sha,
              "files_sha256": r.files_sha, "world_size": r.coll.size, "shards": r.shards, "final": final,
              "iters": r.cfg["iters"], "launch_id": r.args.launch_id, "time": time.strftime("%FT%T%z"),
              "rng": {"mx_key": [int(k[0]), int(k[1])]}, "val_loss": val_loss, "window": r.window,
-             "data": {"n_batches": len(r.plans[0]), "epoch": r.order.epoch, "pos": r.order.pos},
+             "data": {"n_batches": n, "epoch": (step - 1) // n, "pos": (step - 1) % n + 1},
              "trained_tokens": r.trained_tokens, "initial_loss": r.initial_loss, "val0": r.val0}
     path = ckpt.save(r.ckroot, step, {
         "adapters.safetensors": lambda p: mx.save_safetensors(str(p), weights, metadata=meta),
@@ -572,11 +504,10 @@ def losses(cfg: dict):
 
 
 def compiled_step(r):
-    """mlx-lm's compiled training step (mlx_lm/tuner/trainer.py train()) with the config's loss,
-    the all-reduce on the CPU stream, and optionally the token-weighted average (each rank's
-    gradient of its summed token losses; all-reduced with the token count, divided by it) and
-    the global norm clipped. step(batch, acc, do_update) -> (loss, ntoks, acc), acc being the
-    accumulated (gradient, tokens) or, after an update, the global gradient norm (pre-clip)."""
+    """mlx-lm's compiled step (tuner/trainer.py train()) with the config's loss, the all-reduce on the
+    CPU stream, the token-weighted average (grad_average: tokens: gradients of the summed token losses,
+    over the global token count) and max_grad_norm. step(batch, acc, do_update) -> (loss, ntoks, acc):
+    acc the accumulated (gradient, tokens), after an update the global gradient norm (pre-clip)."""
     import mlx.nn as nn
     import mlx.nn.utils as nu
     from mlx.optimizers import clip_grad_norm
@@ -584,8 +515,7 @@ def compiled_step(r):
 
     mx, model, optimizer, cfg = r.mx, r.model, r.optimizer, r.cfg
     accum, clip = cfg["grad_accumulation_steps"], cfg["max_grad_norm"]
-    by_tokens = cfg["grad_average"] == "tokens"
-    loss_fn, size = losses(cfg)[0], mx.distributed.init().size()
+    by_tokens, loss_fn, size = cfg["grad_average"] == "tokens", losses(cfg)[0], mx.distributed.init().size()
 
     def summed(model, batch, lengths):
         lvalue, toks = loss_fn(model, batch, lengths)
@@ -602,8 +532,7 @@ def compiled_step(r):
             return lvalue, toks, (grad, n)
         grad = nu.average_gradients(grad, communication_stream=mx.cpu)
         if by_tokens:  # average_gradients divides by the world size: the global sum over the global tokens
-            total = mx.distributed.all_sum(n, stream=mx.cpu)
-            grad = tree_map(lambda x: x * (size / total), grad)
+            grad = tree_map(lambda x: x * (size / mx.distributed.all_sum(n, stream=mx.cpu)), grad)
         elif accum > 1:
             grad = tree_map(lambda x: x / accum, grad)
         grad, norm = clip_grad_norm(grad, clip) if clip else (grad, clip_grad_norm(grad, 1.0)[1])
@@ -614,45 +543,20 @@ def compiled_step(r):
 
 
 def train_step(r, step, it: int) -> tuple:
-    """One iteration: this rank's micro-batch (after a world change, the old ranks' shares of the
-    global batch, accumulated), then the loss over every rank: token-weighted with
+    """One iteration on this rank's share(s), accumulated; the loss over every rank: token-weighted with
     grad_average: tokens, else mlx-lm's mean of the ranks' means. (loss, tokens, rank loss, grad norm)."""
-    mx, cfg, k = r.mx, r.cfg, len(r.plans)
-    idx, update, lv, nt = r.order.next(it), it % cfg["grad_accumulation_steps"] == 0, [], []
-    for j, plan in enumerate(r.plans):
-        batch = make_batch(mx, r.np, r.train_set, plan[idx], cfg["max_seq_length"])
+    mx, cfg, batches = r.mx, r.cfg, r.batches.next(it)
+    update, k, lv, nt = it % cfg["grad_accumulation_steps"] == 0, len(batches), [], []
+    for j, batch in enumerate(batches):
         lvalue, toks, out = step(batch, r.grad, update and j == k - 1)
         r.grad = None if update and j == k - 1 else out
         mx.eval(r.state, lvalue, toks, out)
         lv, nt = lv + [lvalue], nt + [toks.astype(mx.float32)]
     both = r.coll.sum(mx.stack([sum(lv), sum(a * b for a, b in zip(lv, nt, strict=True)), sum(nt)])).tolist()
-    mean, tokens = both[0] / (r.coll.size * k), int(both[2])
-    w = r.window
+    mean, tokens, w = both[0] / (r.coll.size * k), int(both[2]), r.window
     w.update(loss=w["loss"] + mean, tokens=w["tokens"] + tokens, steps=w["steps"] + 1)
     loss = both[1] / both[2] if cfg["grad_average"] == "tokens" else mean
     return loss, tokens, (sum(lv) / k).item(), out.item() if update else None
-
-
-def warm_up(r, step) -> None:
-    """The compiled step's first call builds its kernels (over a minute on a fresh machine, cached
-    after): build them on one local batch, without the all-reduce so no collective hides behind the
-    beats, and with the random state put back, so the run computes exactly what it would have."""
-    mx, key = r.mx, r.mx.random.state[0].tolist()
-    with r.rep.beating("compile"):
-        mx.eval(step(make_batch(mx, r.np, r.train_set, r.plans[0][0], r.cfg["max_seq_length"]), None, False))
-    mx.random.seed((int(key[0]) << 32) | int(key[1]))  # as a resume restores it
-
-
-def check_stability(r, it: int, loss: float) -> None:
-    """NaN/inf at any step, or divergence_factor x the first step's loss early on, stops every rank."""
-    cfg = r.cfg
-    if not math.isfinite(loss):
-        raise failure(STABILITY, f"the loss is {loss} at step {it} (learning_rate {cfg['learning_rate']}): "
-                                 "lower the learning rate, check the data and the LoRA scale")
-    if it <= cfg["divergence_window"] and loss > cfg["divergence_factor"] * r.initial_loss:
-        raise failure(STABILITY, f"the loss diverged: {loss:.4g} at step {it} is more than "
-                                 f"{cfg['divergence_factor']}x the first step's {r.initial_loss:.4g} "
-                                 f"(learning_rate {cfg['learning_rate']}): lower the learning rate")
 
 
 # ---- reporting and evaluation ---------------------------------------------------------------------
@@ -687,8 +591,7 @@ def validate(r, step: int) -> None:
         return
     tic = time.perf_counter()
     r.last_val = (step, run_eval(r, r.val_set, r.cfg["val_batches"], "val"))
-    r.val0 = r.last_val[1] if step == 0 else r.val0
-    dt = time.perf_counter() - tic
+    r.val0, dt = r.last_val[1] if step == 0 else r.val0, time.perf_counter() - tic
     if r.coll.rank == 0:
         r.rep.line("val", step=step, val_loss=r.last_val[1], val_s=dt)
         r.rep.event("val", step, loss=r.last_val[1], val_s=round(dt, 4),
@@ -699,7 +602,7 @@ def validate(r, step: int) -> None:
 def train(r) -> int:
     """mlx-lm's train() loop on this run's data order, with a checkpoint at every save_every."""
     from mlx.utils import tree_flatten
-    from mlx_lm.tuner.trainer import _clear_cache, grad_checkpoint
+    from mlx_lm.tuner.trainer import _clear_cache, grad_checkpoint, iterate_batches
     from mlx_lm.utils import maybe_set_recommended_wired_limit
 
     mx, cfg, coll, rep, iters = r.mx, r.cfg, r.coll, r.rep, r.cfg["iters"]
@@ -718,12 +621,17 @@ def train(r) -> int:
         grad_checkpoint(r.model.layers[0])
     r.state = [r.model.state, r.optimizer.state, mx.random.state]
     step, t_wall = compiled_step(r), time.perf_counter()
-    # ---- before step 1: the step-0 validation, the compiled step's kernels ----
+    # ---- before step 1: the step-0 validation; the compiled step's kernels (over a minute on a fresh
+    # machine) built on one local batch with beats (no all-reduce hides behind them), the RNG put back ----
     if r.start == 0:
         validate(r, 0)
     r.model.train()
     if r.start < iters:
-        warm_up(r, step)
+        key, one = mx.random.state[0].tolist(), types.SimpleNamespace(rank=lambda: 0, size=lambda: r.shards)
+        with rep.beating("compile"):
+            mx.eval(step(next(iterate_batches(r.train_set, cfg["batch_size"], cfg["max_seq_length"],
+                                              comm_group=one)), None, False))
+        mx.random.seed((int(key[0]) << 32) | int(key[1]))  # as a resume restores it
         rep.beat("train", 0.0)  # step 1 still builds the update's kernels: seconds on a fresh machine
     for it in range(r.start + 1, iters + 1):
         # ---- one global batch: forward, backward, all-reduce, update ----
@@ -737,7 +645,15 @@ def train(r) -> int:
                  grad_norm=norm)
         rep.event("step", it, loss=loss, lr=lr, tokens=tokens, tok_per_s=tokens / dt if dt else None,
                   step_s=round(dt, 5), grad_norm=norm)
-        check_stability(r, it, loss)
+        # ---- stability: NaN/inf at any step, or divergence early on, stops every rank (global loss) ----
+        if not math.isfinite(loss):
+            raise failure(STABILITY, f"the loss is {loss} at step {it} (learning_rate "
+                                     f"{cfg['learning_rate']}): lower the learning rate, check the data and "
+                                     "the LoRA scale")
+        if it <= cfg["divergence_window"] and loss > cfg["divergence_factor"] * r.initial_loss:
+            raise failure(STABILITY, f"the loss diverged: {loss:.4g} at step {it} is more than "
+                                     f"{cfg['divergence_factor']}x the first step's {r.initial_loss:.4g} "
+                                     f"(learning_rate {cfg['learning_rate']}): lower the learning rate")
         # ---- report, validate, checkpoint: mlx-lm's cadence ----
         if it % cfg["steps_per_report"] == 0 or it == iters:
             report(r, it, lr)
@@ -755,9 +671,8 @@ def train(r) -> int:
 
 
 def finish(r, wall: float) -> int:
-    """The whole-split test evaluation (progress lines keep the watchdog fed), a warning when the
-    run made the model no better, then `done` naming the best-by-validation checkpoint: an mlx-lm
-    adapter folder as it is."""
+    """The whole-split test evaluation, a warning if validation did not improve on step 0, then `done`
+    naming the best-by-validation checkpoint (an mlx-lm adapter folder as it is)."""
     iters, rep = r.cfg["iters"], r.rep
     if r.cfg["test"]:  # load_data made sure the split is there
         tic = time.perf_counter()

@@ -88,12 +88,16 @@ def test_no_checkpoint_and_missing_pointer(tmp_path):
     assert chosen.name == "step-0000001" and not skipped and "missing" in notes[0]
 
 
-def test_quarantine_moves_a_bad_one_out_of_the_listing(tmp_path):
-    save(tmp_path, 1)
-    bad = save(tmp_path, 2)
+def test_pick_quarantines_a_bad_one_out_of_the_listing(tmp_path):
+    state = {"config": {}, "files_sha256": "f" * 64, "data": {"n_batches": 9}}
+    save(tmp_path, 1, **state)
+    bad = save(tmp_path, 2, **state)
     (bad / "adapters.safetensors").write_bytes(b"bad")
-    dest = ckpt.quarantine(tmp_path, "step-0000002")
-    assert dest.is_dir() and [p.name for p in ckpt.listing(tmp_path)] == ["step-0000001"]
+    said = []
+    chosen, st = ckpt.pick(tmp_path, {}, "f" * 64, 9, lambda what, **kw: said.append(what))
+    assert chosen.name == "step-0000001" and st["step"] == 1 and said == ["checkpoint-skip", "warning", "resume"]
+    assert [p.name for p in ckpt.listing(tmp_path)] == ["step-0000001"]
+    assert len(list(tmp_path.glob("quarantine-step-0000002-*"))) == 1
 
 
 def test_prune_keeps_last_k_best_final_and_latest(tmp_path):

@@ -90,7 +90,7 @@ def check_same_loss(model, batch, chunk: int = 25):
 @pytest.mark.parametrize("prompts", [False, True], ids=["all-tokens", "mask-prompt"])
 def test_loss_and_gradients_equal_default_loss(root, softcap, prompts):
     model = gemma(root, softcap)
-    assert L.supported(model)
+    L.parts(model)  # supported: no RunbookError
     batch = batch_of(model.args.vocab_size, prompts)
     check_same_loss(model, batch)
     (_, n1), g1 = nn.value_and_grad(model, default_loss)(model, *batch)
@@ -196,9 +196,6 @@ def test_holds_one_chunk_of_logits():
     logits = 4 * 64 * 16384 * 4  # bytes of float32 logits
     assert peaks["default"] > 2 * logits
     assert peaks["chunked"] < peaks["default"] / 5, peaks
-    # lib/loss.py's estimate for plan and calibrate holds here too
-    assert peaks["chunked"] <= 1.5 * L.logits_bytes("chunked", 256, 16384, 16), peaks
-    assert 0.6 < peaks["default"] / L.logits_bytes("default", 256, 16384) < 1.5, peaks
 
 
 def test_refuses_a_trainable_head_and_other_models(root):
@@ -206,12 +203,10 @@ def test_refuses_a_trainable_head_and_other_models(root):
     model.model.embed_tokens.unfreeze()  # full fine-tuning or LoRA on the head: no gradient for it here
     with pytest.raises(RunbookError, match=r"model.embed_tokens \(tied\) is trainable.*see RUNBOOK.md#run-configs"):
         L.make_loss()(model, *batch_of(3072, prompts=False))
-    assert not L.supported(model)
     model = tiny_llama(tied=False)
     model.lm_head = LoRALinear.from_base(model.lm_head, r=4)  # LoRA on the head
     with pytest.raises(RunbookError, match=r"lm_head is trainable"):
         L.parts(model)
-    assert not L.supported(nn.Linear(4, 4))
     with pytest.raises(RunbookError, match=r"not mlx.nn.layers.linear.Linear: set `loss: default`"):
         L.parts(nn.Linear(4, 4))
     with pytest.raises(RunbookError, match="loss_chunk_tokens is 0"):

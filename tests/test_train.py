@@ -301,11 +301,11 @@ def test_reported_loss_matches_mlx_lm_lora_under_mlx_launch(baseline, model, dat
 
 
 def test_each_rank_gets_mlx_lms_batches(model, data):
-    """The trainer's batch plan and DataOrder against mlx-lm's own iterate_batches, for
-    rank 0 and rank 1 of 2 and for a single rank, over three epochs."""
+    """The trainer's Batches against mlx-lm's own iterate_batches seeded as `mlx_lm lora` seeds it,
+    for rank 0 and rank 1 of 2 and for a single rank, over three epochs; after a world change one
+    rank's two shares are the two ranks' batches."""
     import types
 
-    import mlx.core as mx
     import numpy as np
     from mlx_lm.tuner.datasets import CacheDataset, load_local_dataset
     from mlx_lm.tuner.trainer import iterate_batches
@@ -314,21 +314,23 @@ def test_each_rank_gets_mlx_lms_batches(model, data):
     train = load_trainer()
     _, tok = load(str(model))
     ds = CacheDataset(load_local_dataset(data, tok, types.SimpleNamespace(mask_prompt=False))[0])
+    cfg, n, seen = {"seed": 5, "batch_size": 4, "max_seq_length": 96, "steps_per_eval": 4}, len(ds) // 4, {}
     for rank, size in ((0, 2), (1, 2), (0, 1)):
         group = types.SimpleNamespace(rank=lambda r=rank: r, size=lambda s=size: s)
         theirs = iterate_batches(ds, 4, 96, loop=True, seed=5, comm_group=group)
-        plan = train.batch_plan(ds, 4, rank, size)
-        order = train.DataOrder(np, 5, len(plan), 0, 4)
-        for it in range(1, 3 * len(plan) + 1):
-            tb, tl = next(theirs)
-            ob, ol = train.make_batch(mx, np, ds, plan[order.next(it)], 96)
-            assert tb.tolist() == ob.tolist() and tl.tolist() == ol.tolist(), (rank, size, it)
+        seen[rank, size] = [[x.tolist() for x in next(theirs)] for _ in range(3 * n)]
+        ours = train.Batches(np, ds, cfg, [rank], size, 0)
+        for it in range(1, 3 * n + 1):
+            assert [x.tolist() for x in ours.next(it)[0]] == seen[rank, size][it - 1], (rank, size, it)
+    both = train.Batches(np, ds, cfg, [0, 1], 2, 0)  # one rank resumed after a world change from 2
+    for it in range(1, 3 * n + 1):
+        assert [[x.tolist() for x in b] for b in both.next(it)] == [seen[0, 2][it - 1], seen[1, 2][it - 1]], it
 
 
 def test_data_order_follows_mlx_lm_train_with_validation_draws(model, data, tmp_path):
     """mlx-lm's own train() (one rank) with a recording iterate_batches and a trivial model:
     the batches it trains on, over three epochs with validation every 4 iterations drawing
-    from the same numpy stream, are the trainer's DataOrder batches, step for step."""
+    from the same numpy stream, are the trainer's Batches, step for step."""
     import types
 
     import mlx.core as mx
@@ -361,14 +363,14 @@ def test_data_order_follows_mlx_lm_train_with_validation_draws(model, data, tmp_
                  args=TrainingArgs(batch_size=4, iters=iters, val_batches=1, steps_per_report=10, steps_per_eval=4,
                                    steps_per_save=10_000, adapter_file=str(tmp_path / "a.safetensors")),
                  loss=loss, iterate_batches=recording)
-    plan = train.batch_plan(tr, 4, 0, 1)
-    order = train.DataOrder(np, seed, len(plan), len(va) // 4, 4)
-    ours = [train.make_batch(mx, np, tr, plan[order.next(it)], 2048)[0].tolist() for it in range(1, iters + 1)]
-    assert len(seen) == iters and order.epoch == 3
+    cfg = {"seed": seed, "batch_size": 4, "max_seq_length": 2048, "steps_per_eval": 4}
+    order = train.Batches(np, tr, cfg, [0], 1, len(va) // 4)
+    ours = [order.next(it)[0][0].tolist() for it in range(1, iters + 1)]
+    assert len(seen) == iters and iters > 3 * (len(tr) // 4)  # over three epochs
     assert ours == seen
     # and without the validation draws the order would differ: the test can fail
-    plain = train.DataOrder(np, seed, len(plan), 0, 4)
-    assert [train.make_batch(mx, np, tr, plan[plain.next(it)], 2048)[0].tolist() for it in range(1, iters + 1)] != seen
+    plain = train.Batches(np, tr, cfg, [0], 1, 0)
+    assert [plain.next(it)[0][0].tolist() for it in range(1, iters + 1)] != seen
 
 
 # ---- the adapter in mlx-lm's layout ----------------------------------------------------------------
@@ -597,7 +599,7 @@ def test_out_of_memory_ladder_keeps_the_global_batch():
     train = load_trainer()
     for n, (_, rung) in enumerate(rungs):
         args = train.build_parser().parse_args(rung[2:])
-        r = C.resolve(args.config, {**train.overrides(args), "model": "m", "data": "d"})
+        r = C.resolve(args.config, {**{k: getattr(args, k) for k, _ in train.FLAGS}, "model": "m", "data": "d"})
         assert r["batch_size"] == 2 and r["batch_size"] // 2 == 1  # one sequence per rank
         assert r["batch_size"] * r["grad_accumulation_steps"] == cfg["batch_size"]
         assert r["iters"] == cfg["iters"] * 4  # an mlx-lm iteration is one micro-batch
