@@ -6,10 +6,9 @@ Usage:
 Example (what `make compare RUN=stage1` runs):
     .venv/bin/python bin/compare.py --run stage1
 
-The control is the manifest's control_run, else runs/<RUN>-control/. The base model and both adapters
-are scored with mlx-lm's evaluate() on the same (fingerprinted) test batches. Writes runs/<RUN>/compare/:
-report.md, report.json, loss_curves.png. Exit 0 pass, 1 a failure verdict, 2 not comparable or an input
-missing; stderr ends `see RUNBOOK.md#anchor`.
+The control is the manifest's control_run, else runs/<RUN>-control/. The base model and both adapters are
+scored with mlx-lm's evaluate() on the same test batches. Writes runs/<RUN>/compare/: report.md, report.json,
+loss_curves.png. Exit 0 pass, 1 a failure verdict, 2 not comparable or an input missing.
 """
 
 import argparse
@@ -27,19 +26,15 @@ from lib import atomic, config, jsonl, launch, paths  # noqa: E402
 from lib.hashing import digest_of, tree_hashes  # noqa: E402
 from lib.log import FAILURES, STABILITY, RunbookError, anchor_of, die, event  # noqa: E402
 
-FORMAT, FORMAT_VERSION = "thunder-runbook/compare-report", 1
 DEFAULT_TOLERANCE, DEFAULT_MIN_SPEEDUP, DEFAULT_MIN_GAIN = 0.02, 1.0, 0.0
-PASS, NOT_COMPARABLE, DUAL_FAILED = "pass", "not comparable", "dual run failed"
+PASS, NOT_COMPARABLE, WORSE = "pass", "not comparable", FAILURES["worse"][0]  # WORSE: compare-worse-than-base
 THUNDER, THUNDER_CATEGORY = "underperforms control: Thunder path", FAILURES["thunder"][0]
-WORSE = FAILURES["worse"][0]  # anchor compare-worse-than-base
 EXACT_REL = 1e-5  # dual vs control step-1 loss with token-weighted gradients: float summation order only
 LINK_BOUND_SHARE = 0.5  # calibrated: the gradient all-reduce takes at least half of a dual step
 ANCHOR_NOT_COMPARABLE, ANCHOR_MISSING = "compare-not-comparable", "compare-missing-run"
 SPLITS = ("train.jsonl", "valid.jsonl", "test.jsonl")
-# Keys the out-of-memory ladder (lib/config.py fallback_ladder) may change keeping the global batch.
-LADDER_KEYS = {"batch_size", "grad_accumulation_steps", "steps_per_eval", "save_every", "steps_per_report",
-               "iters"}
-UNKNOWN = (None, "missing", "unknown")
+# Config keys checked on their own, or that the out-of-memory ladder changes keeping the global batch.
+OWN_KEYS = {"seed", "batch_size", "grad_accumulation_steps", "steps_per_eval"} | config.RESUMABLE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,13 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def finite(x) -> float | None:
-    """A JSON-safe number: None for missing, NaN and inf."""
+def finite(x) -> float | None:  # JSON-safe: None for missing, NaN and inf
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
-
-
-def ppl_of(loss: float | None) -> float | None:
-    return math.exp(loss) if finite(loss) is not None and loss < 700 else None
 
 
 def fmt(x, spec: str = ".4f") -> str:
@@ -66,15 +56,13 @@ def fmt(x, spec: str = ".4f") -> str:
 
 
 def throughput(mets: list[dict]) -> float | None:
-    """Steady-state tok/s: global tokens over step time of the `step` events, each launch's first step
-    left out (its compile; a launch starts where wall_s goes back)."""
-    tokens = seconds = 0.0
-    last_wall = None
+    """Steady-state tok/s of the `step` events, each launch's first (compile) step left out."""
+    tokens, seconds, last_wall = 0.0, 0.0, None
     for m in mets:
         if m.get("kind") != "step" or not (finite(m.get("tokens")) and finite(m.get("step_s"))):
             continue
         wall = finite(m.get("wall_s"))
-        if last_wall is None or (wall is not None and wall < last_wall):
+        if last_wall is None or (wall is not None and wall < last_wall):  # a launch starts: wall_s goes back
             last_wall = wall
         else:
             last_wall, tokens, seconds = wall or last_wall, tokens + m["tokens"], seconds + m["step_s"]
@@ -101,23 +89,20 @@ def run_facts(role: str, run_id: str) -> dict:
     except ValueError as e:
         raise RunbookError(f"{e}: re-run its stage", ANCHOR_MISSING) from e
     adapter = paths.ROOT / summary["adapter"] if summary.get("adapter") else run_dir / "adapters"
-    has_adapter = all((adapter / f).is_file() for f in ("adapters.safetensors", "adapter_config.json"))
-    hostfile = man.get("hostfile") if isinstance(man.get("hostfile"), dict) else {}
-    hosts = [h.get("ssh") for h in hostfile.get("hosts", [])]
-    world = summary.get("world_size") or man.get("world_size") or len(hosts)
+    hostfile = man.get("hostfile") or {}
     repro = run_dir / "reproduce.sh"  # its sections by stage (lib/launch.write_reproduce)
     sections = repro.read_text(encoding="utf-8").split("\n# --- stage: ")[1:] if repro.is_file() else []
     return {
         "role": role, "run": run_id, "ok": bool(summary.get("ok")), "why": summary.get("why") or "",
-        **{k: summary.get(k) for k in ("category", "fallback", "best_adapter", "final_step")},
+        **{k: summary.get(k) for k in ("category", "fallback", "best_adapter", "final_step", "world_size")},
         **{k: man.get(k) for k in ("hostfile_path", "lock_sha256", "dataset", "dataset_sha256", "model",
                                    "model_sha256", "control_run")},
-        "world_size": int(world) if world else None, "hosts": hosts, "hostfile": hostfile,
+        "hosts": [h.get("ssh") for h in hostfile.get("hosts", [])], "hostfile": hostfile,
         "attempts": len(summary.get("attempts") or []), "git": man.get("git") or {},
         "config": cfg, "seed": cfg.get("seed"), "batch_size": (bs := cfg.get("batch_size")),
         "global_batch": bs and bs * (cfg.get("grad_accumulation_steps") or 1),
-        "adapter": paths.rel(adapter) if has_adapter else None, "stage_wall_s": finite(summary.get("wall_s")),
-        "metrics": mets, "tok_per_s": finite(throughput(mets)),
+        "adapter": paths.rel(adapter) if (adapter / "adapters.safetensors").is_file() else None,
+        "stage_wall_s": finite(summary.get("wall_s")), "metrics": mets, "tok_per_s": finite(throughput(mets)),
         "checkpoints_written": sum(m.get("kind") == "checkpoint" for m in mets),
         "reproduce": {b.split(" ", 1)[0]: "# --- stage: " + b.strip() for b in sections},
     }
@@ -127,7 +112,7 @@ def comparability(dual: dict, control: dict, disk_dataset: str | None, disk_mode
     """What must be equal, each check with both values; problems (not comparable) name their fix."""
     run, dcfg, ccfg = dual["run"], dual["config"], control["config"]
     ds, dsha, msha = dual["dataset"], dual["dataset_sha256"], str(dual["model_sha256"])
-    keys = (set(config.DEFAULTS) - config.RESUMABLE - LADDER_KEYS - {"seed"}) & (set(dcfg) | set(ccfg))
+    keys = (set(config.DEFAULTS) - OWN_KEYS) & (set(dcfg) | set(ccfg))
     differ = sorted(k for k in keys if dcfg.get(k) != ccfg.get(k))
     checks = [(k, dual[k], control[k], f"re-run the control with the dual run's {w}: "
                f"`make control RUN={run} {w.upper()}={dual[w]}`")
@@ -136,44 +121,35 @@ def comparability(dual: dict, control: dict, disk_dataset: str | None, disk_mode
                 f"batch: train both with the same CONFIG (the dual run's batch_size {dual['batch_size']})"),
                ("config", {k: dcfg.get(k) for k in differ}, {k: ccfg.get(k) for k in differ}, "train the "
                 f"control with the dual run's config (`make control RUN={run} CONFIG=<its CONFIG>`)")]
-    out = {"checks": [], "problems": [], "warnings": []}
+    out = {"checks": [], "problems": []}
     for name, a, b, fix in checks:
-        ok = a == b and (name == "config" or a not in UNKNOWN)
+        ok = a == b and (name == "config" or a not in (None, "missing", "unknown"))
         out["checks"].append({"name": name, "dual": a, "control": b, "ok": ok})
+        event("compare-check", key=name, status="same" if ok else "DIFFERS", dual=a, control=b)
         out["problems"] += [] if ok else [f"{name} differs: dual {a!r}, control {b!r}: {fix}"]
     if disk_dataset is None:
         out["problems"].append(f"datasets/{ds}/ has no {', '.join(SPLITS)} to evaluate on: "
                                f"`make export DATASET={ds}` or `make sync` it back")
-    elif dsha not in UNKNOWN and disk_dataset != dsha:
+    elif dsha not in (None, "missing", "unknown") and disk_dataset != dsha:
         out["problems"].append(f"datasets/{ds}/ on disk ({disk_dataset[:12]}) is not the data the runs "
                                f"trained on ({dsha[:12]}): restore that export or re-run train and control")
     if disk_model and not msha.startswith("hub:") and disk_model != msha:
         out["problems"].append(f"the model {dual['model']} on disk ({disk_model[:12]}) is not the one the "
                                f"runs trained ({msha[:12]}): restore it, or re-run train and control")
-    if dual["git"].get("commit") != control["git"].get("commit"):
-        out["warnings"].append("the runs ran different code commits")
-    for r in (dual, control):
-        fb = r.get("fallback") or {}
-        out["warnings"] += [text for cond, text in (
-            (r["git"].get("dirty"), f"{r['run']} ran from a dirty tree: its reproduction is not exact"),
-            (fb, f"{r['run']} lost {fb.get('lost')}, ran on {fb.get('hosts')} (FALLBACK=1): not dual-host"),
-            (r.get("attempts"), f"{r['run']} restarted {r.get('attempts')} time(s) (RESTARTS)")) if cond]
     return {**out, "ok": not out["problems"]}
 
 
-def decide(dual: dict, control: dict, losses: dict, problems: list[str], tolerance: float,
-           min_speedup: float = DEFAULT_MIN_SPEEDUP, min_gain: float = DEFAULT_MIN_GAIN,
-           calibration: dict | None = None) -> dict:
-    """The verdict from the run facts and test losses ("base", "control", "dual"; None: not evaluated), the
-    first that applies: the dual run's own failure, worse than the base model (by min_gain), not comparable,
-    the Thunder path (exactness, loss over (1 + tolerance) x the control's, speedup not over min_speedup)."""
+def decide(dual: dict, control: dict, losses: dict, problems: list, tolerance: float,
+           min_speedup=DEFAULT_MIN_SPEEDUP, min_gain=DEFAULT_MIN_GAIN, calibration=None) -> dict:
+    """The first verdict that applies: the dual run's own failure, worse than the base model (by min_gain),
+    not comparable, the Thunder path (exactness, loss over the tolerance, speedup not over min_speedup)."""
     dt, ct = dual.get("tok_per_s"), control.get("tok_per_s")
     dl, cl, bl = (losses.get(k) for k in ("dual", "control", "base"))
     speedup = dt / ct if dt and ct else None
     world_ratio = (dual.get("world_size") or 1) / (control.get("world_size") or 1)
     v = dict(verdict=PASS, ok=True, category=None, anchor=None, reasons=[], exit_code=0, loss_ok=None,
              faster=None, beats_base=None, exact=None, link_bound=None, speedup=speedup,
-             scaling_efficiency=speedup and speedup / world_ratio,
+             scaling_efficiency=speedup and speedup / world_ratio, world_size_ratio=world_ratio,
              relative_loss_diff=(dl - cl) / cl if finite(dl) is not None and (finite(cl) or 0) > 0 else None,
              base_gain=(bl - dl) / bl if finite(dl) is not None and (finite(bl) or 0) > 0 else None)
 
@@ -182,11 +158,9 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
         v.update(verdict=verdict, ok=False, category=cat, anchor=anchor or anchor_of(cat), exit_code=code)
         return v
 
-    if not dual.get("ok"):
-        cat, why = dual.get("category"), dual.get("why") or "no reason recorded"
-        if cat in {name for name, _, _ in FAILURES.values()}:  # DESIGN's five, out of memory, config, ...
-            return fail(cat, cat, f"the dual run failed: {why}")
-        return fail(DUAL_FAILED, None, f"the dual run failed without a category: {why}", 1, ANCHOR_MISSING)
+    if not dual.get("ok"):  # its category: DESIGN's five, out of memory, config, ... (lib/launch.categorize)
+        cat = dual.get("category") or FAILURES["error"][0]
+        return fail(cat, cat, f"the dual run failed: {dual.get('why') or 'no reason recorded'}")
     if dl is not None and finite(dl) is None:
         return fail(STABILITY, STABILITY, f"the dual adapter's test loss is {dl}: its weights are not finite")
     if "base" in losses and finite(bl) is None:
@@ -220,8 +194,9 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
                             f"{cl:.4f} (tolerance {100 * tolerance:g}%)")
     if not v["faster"]:
         v["link_bound"], why = link_call(calibration)
+        fb = f"; FALLBACK=1: it ran on {fb['hosts']} only" if (fb := dual.get("fallback")) else ""
         v["reasons"].append(f"the dual run was not faster: {dt:.1f} vs {ct:.1f} tok/s "
-                            f"(speedup {speedup:.2f}x{need}); {why}")
+                            f"(speedup {speedup:.2f}x{need}); {why}{fb}")
     if v["reasons"]:
         return fail(THUNDER, THUNDER_CATEGORY, v["reasons"].pop())
     gain = "" if v["base_gain"] is None else f", {100 * v['base_gain']:.2f}% below the base model's {bl:.4f}"
@@ -234,11 +209,9 @@ def decide(dual: dict, control: dict, losses: dict, problems: list[str], toleran
 
 
 def link_call(cal: dict | None) -> tuple[bool | None, str]:
-    """Link-bound when the calibration of these hosts and model measured the gradient all-reduce at
-    LINK_BOUND_SHARE or more of a dual step; otherwise a Mac computed slower than calibrated."""
+    """Link-bound when calibrate measured the all-reduce at LINK_BOUND_SHARE or more of a dual step."""
     if not cal:
-        return None, ("no calibration of these hosts and model tells a slow link from a slow Mac: "
-                      "run `make calibrate`")
+        return None, "no calibration (hosts, model) tells a slow link from a slow Mac: run `make calibrate`"
     share, e, f = cal["link_share"], cal["expected_speedup"], cal["file"]
     if share >= LINK_BOUND_SHARE:
         return True, (f"link-bound: calibrate ({f}) measured the gradient all-reduce at {100 * share:.0f}% "
@@ -253,14 +226,12 @@ def calibration_of(dual: dict) -> dict | None:
         sp = cal.get("speedup") or {}
         hosts = [h.get("ssh") for h in (cal.get("hostfile") or {}).get("hosts", [])]
         if hosts == dual["hosts"] and cal.get("model") == dual["model"] and "link_share" in sp:
-            return {"file": paths.rel(path), "expected_speedup": sp["expected_speedup"],
-                    "link_share": sp["link_share"]}
+            return {"file": paths.rel(path), **{k: sp[k] for k in ("expected_speedup", "link_share")}}
     return None
 
 
 def exactness(dual: dict, control: dict) -> dict | None:
-    """With token-weighted gradients on both runs (else None), step 1 may differ from the control only by
-    float summation order (EXACT_REL); later steps are reported, not judged (the optimizer compounds it)."""
+    """With token-weighted gradients on both runs (else None), step 1 may differ by float error only."""
     if not all((r.get("config") or {}).get("grad_average") == "tokens" for r in (dual, control)):
         return None
     d, c = (dict(curve(r.get("metrics") or [], "step")) for r in (dual, control))
@@ -276,102 +247,77 @@ def exactness(dual: dict, control: dict) -> dict | None:
     return {"ok": ok, "why": why, "step1_rel": rel[1], "max_rel": max(rel.values()), "steps": len(common)}
 
 
-def evaluate_models(model: str, adapters: dict[str, str | None], data_dir: Path, cfg: dict,
-                    test_batches: int) -> dict:
-    """Test loss of the base model and each adapter (each loaded fresh) over one tokenized test set, with
-    the run's batch size, masking and seeded batch order; batch fingerprints prove all saw the same."""
-    from functools import partial
-    from types import SimpleNamespace
-
+def evaluate_models(model: str, adapters: dict, data_dir: Path, cfg: dict, test_batches: int) -> dict:
+    """Test loss of the base model and each adapter on the same seeded batches (fingerprinted)."""
     import numpy as np
     from mlx_lm.tuner.datasets import CacheDataset, create_dataset
     from mlx_lm.tuner.trainer import default_loss, evaluate, iterate_batches
     from mlx_lm.utils import load
 
-    if not (records := list(jsonl.read(data_dir / "test.jsonl"))):
-        raise RunbookError(f"{paths.rel(data_dir)}/test.jsonl is empty: re-export with a test split",
-                           ANCHOR_NOT_COMPARABLE)
+    records = list(jsonl.read(data_dir / "test.jsonl"))  # export refuses an empty split
     cfg, local = {**config.DEFAULTS, **cfg}, paths.ROOT / model  # a local folder, or a Hugging Face id
-    max_seq, seed = int(cfg["max_seq_length"]), int(cfg["seed"])
-    out = {"records": len(records), "batch_size": min(int(cfg["batch_size"]), len(records)),
-           "max_seq_length": max_seq, "seed": seed, "test_batches": test_batches, "models": {}}
-    test_set = None
+    bs, seed, msl = min(int(cfg["batch_size"]), len(records)), int(cfg["seed"]), int(cfg["max_seq_length"])
+    models, test_set = {}, None
     for name, adapter in [("base", None), *((k, a) for k, a in adapters.items() if a)]:
         mdl, tokenizer = load(str(local) if local.exists() else model,
                               adapter_path=str(paths.ROOT / adapter) if adapter else None)
-        test_set = test_set or CacheDataset(create_dataset(records, tokenizer, SimpleNamespace(**cfg)))
-        h, ntoks, tic = hashlib.sha256(), [], time.monotonic()
+        test_set = test_set or CacheDataset(create_dataset(records, tokenizer, argparse.Namespace(**cfg)))
+        h, ntoks = hashlib.sha256(), []
 
         def loss(m, batch, lengths, h=h, ntoks=ntoks):
             h.update(np.array(batch).tobytes() + np.array(lengths).tobytes())
             ntoks.append((ce_n := default_loss(m, batch, lengths))[1])
             return ce_n
 
-        value = evaluate(model=mdl, dataset=test_set, batch_size=out["batch_size"], num_batches=test_batches,
-                         max_seq_length=max_seq, loss=loss,
-                         iterate_batches=partial(iterate_batches, seed=seed))
-        row = out["models"][name] = {"loss": value, "batches": len(ntoks), "batches_sha256": h.hexdigest(),
-                                     "tokens": int(sum(n.item() for n in ntoks)),
-                                     "wall_s": round(time.monotonic() - tic, 3)}
-        event("compare-eval", model=name, test_loss=value, ppl=ppl_of(value) or math.nan,
-              **{k: row[k] for k in ("batches", "tokens", "wall_s")})
-    if len({m["batches_sha256"] for m in out["models"].values()}) != 1:
-        raise RunbookError("the models did not see the same test batches: a bug in compare; report it",
+        value = evaluate(model=mdl, dataset=test_set, batch_size=bs, num_batches=test_batches, loss=loss,
+                         max_seq_length=msl, iterate_batches=lambda **kw: iterate_batches(seed=seed, **kw))
+        row = models[name] = {"loss": value, "batches": len(ntoks), "batches_sha256": h.hexdigest(),
+                              "tokens": int(sum(n.item() for n in ntoks))}
+        event("compare-eval", model=name, test_loss=value, batches=row["batches"], tokens=row["tokens"])
+    if len({m["batches_sha256"] for m in models.values()}) != 1:
+        raise RunbookError("the models saw different test batches: a bug in compare; report it",
                            ANCHOR_NOT_COMPARABLE)
-    base = out["models"]["base"]
-    return {**out, "batches": base["batches"], "tokens": base["tokens"], "same_batches": True}
+    return {"records": len(records), "batch_size": bs, "seed": seed, "max_seq_length": msl,
+            "test_batches": test_batches, "models": models, "batches": models["base"]["batches"],
+            "tokens": models["base"]["tokens"], "same_batches": True}
 
 
-def plot_curves(path: Path, dual: dict, control: dict, losses: dict, verdict: str) -> None:
-    """Train and validation loss of both runs, each adapter's test loss a star, the base model's a line."""
-    import matplotlib
+def plot_curves(path: Path, dual: dict, control: dict, base: float | None, verdict: str) -> None:
+    """Train and validation loss of both runs; the base model's test loss a line."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 6))
+    fig = Figure(figsize=(10, 6))
+    ax = fig.subplots()
     for r, style in ((control, dict(color="tab:orange", lw=4, alpha=0.55)), (dual, dict(color="tab:blue"))):
-        name, mets = f"{r['role']} {r['run']} (world {r['world_size']})", r["metrics"]
-        for pts, extra in ((curve(mets, "step"), {"label": f"{name}: train"}),
-                           (curve(mets, "val"), {"ls": "--", "marker": "o", "label": f"{name}: validation"})):
-            if pts:
-                ax.plot(*zip(*pts, strict=True), **style, **extra)
-        if finite(test := losses.get(r["role"])) is not None and r["final_step"] is not None:
-            ax.plot([r["final_step"]], [test], color=style["color"], marker="*", ms=14, ls="none",
-                    label=f"{r['role']} adapter test loss {test:.4f}")
-    if finite(base := losses.get("base")) is not None:
+        for kind, extra in (("step", {}), ("val", {"ls": "--", "marker": "o"})):
+            if pts := curve(r["metrics"], kind):
+                ax.plot(*zip(*pts, strict=True), **style, **extra, label=f"{r['role']} {r['run']} {kind}")
+    if base is not None:
         ax.axhline(base, color="gray", ls=":", lw=1.5, label=f"base model test loss {base:.4f}")
-    ax.set(xlabel="step (the same global batch in both runs)", ylabel="loss (cross-entropy per token)",
-           title=f"{dual['run']} (dual) vs {control['run']} (control): {verdict}")
-    ax.grid(alpha=0.3)
+    ax.set(xlabel="step", ylabel="loss per token", title=f"{dual['run']} vs {control['run']}: {verdict}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
 
 
 def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v: dict, cmd: list) -> dict:
     """report.json: the verdict, base / control / dual losses, speed, comparability and both runs' facts."""
     models = (ev or {}).get("models", {})
-    rows = {name: {**models.get(name, {}), "evaluated": name in models, "adapter": r and r["adapter"],
-                   "loss": finite(loss := models.get(name, {}).get("loss")), "ppl": ppl_of(loss)}
+    rows = {name: {**(m := models.get(name, {})), "evaluated": name in models, "adapter": r and r["adapter"],
+                   "loss": (x := finite(m.get("loss"))), "ppl": None if x is None else math.exp(min(x, 700))}
             for name, r in (("base", None), ("control", control), ("dual", dual))}
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "format": "thunder-runbook/compare-report", "format_version": 1, "created": time.strftime(launch.NOW),
         "run": dual["run"], "control_run": control["run"],
         **{k: v[k] for k in ("verdict", "ok", "category", "anchor", "reasons", "exit_code")},
         "tolerance": args.tolerance, "min_speedup": args.min_speedup, "min_gain": args.min_gain,
-        "loss": {**{k: rows[k]["loss"] for k in rows}, "relative_diff": finite(v["relative_loss_diff"]),
-                 "within_tolerance": v["loss_ok"], "base_gain": finite(v["base_gain"]),
-                 "beats_base": v["beats_base"], "exact": v["exact"]},
-        "throughput": {"dual_tok_per_s": dual["tok_per_s"], "control_tok_per_s": control["tok_per_s"],
-                       "speedup": finite(v["speedup"]), "scaling_efficiency": finite(v["scaling_efficiency"]),
-                       "world_size_ratio": (dual["world_size"] or 1) / (control["world_size"] or 1),
-                       "faster": v["faster"], "link_bound": v["link_bound"]},
+        "loss": {**{k: rows[k]["loss"] for k in rows}, "relative_diff": v["relative_loss_diff"],
+                 "within_tolerance": v["loss_ok"], "base_gain": v["base_gain"], "beats_base": v["beats_base"],
+                 "exact": v["exact"]},
+        "throughput": {"dual_tok_per_s": dual["tok_per_s"], "control_tok_per_s": control["tok_per_s"], **{
+            k: v[k] for k in ("speedup", "scaling_efficiency", "world_size_ratio", "faster", "link_bound")}},
         "comparable": comp,
         "export": {"lines": launch.export_section(dual["dataset"]) if dual["dataset"] else []},
-        "evaluation": ev and {**{k: x for k, x in ev.items() if k != "models"}, "models": rows,
-                              "split": f"datasets/{dual['dataset']}/test.jsonl"},
+        "evaluation": ev and {**ev, "models": rows, "split": f"datasets/{dual['dataset']}/test.jsonl"},
         "runs": {r["role"]: {k: x for k, x in r.items() if k not in ("metrics", "config")}
                  for r in (dual, control)},
         "reproduce_compare": shlex.join(cmd),
@@ -380,35 +326,22 @@ def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v
 
 def render_md(rep: dict) -> str:
     """The promotion report: verdict, how to reproduce it (data first), base / control / dual, the runs."""
-    runs, tp, ev, lo = rep["runs"], rep["throughput"], rep["evaluation"], rep["loss"]
-    cat = f"category: {rep['category']}; " if rep["category"] else ""
-    see = f" ({cat}see RUNBOOK.md#{rep['anchor']})" if rep["anchor"] else ""
+    runs, tp, lo = rep["runs"], rep["throughput"], rep["loss"]
+    see = f" (see RUNBOOK.md#{rep['anchor']})" if rep["anchor"] else ""
     stages = dict.fromkeys(text for r in runs.values() for st, text in r["reproduce"].items()
                            if st not in ("export", "compare"))
     L = [f"# Promotion report: `{rep['run']}` vs control `{rep['control_run']}`", "",
-         f"**Verdict: {rep['verdict']}**{see}", "", *[f"- {r}" for r in rep["reasons"]],
-         *[f"- warning: {w}" for w in rep["comparable"]["warnings"]], "", "## Reproduce", "",
-         "From the repo root on Mac1: the export that made the dataset, then each stage.", "",
-         "```bash", *rep["export"]["lines"], *stages, rep["reproduce_compare"], "```", "", "## Metrics", "",
-         f"`{ev['split']}`: {ev['records']} records, {ev['batches']} batches of {ev['batch_size']}, "
-         f"{ev['tokens']} target tokens, seed {ev['seed']}, the same batches for all three models."
-         if ev else "Not evaluated (see the verdict).", "",
-         "| model | test loss | test ppl | vs base | train tok/s | adapter |", "|---|---|---|---|---|---|"]
+         f"**Verdict: {rep['verdict']}**{see}", "", *[f"- {r}" for r in rep["reasons"]], "",
+         "## Reproduce", "", "```bash", *rep["export"]["lines"], *stages, rep["reproduce_compare"], "```", "",
+         "## Metrics", "", f"Speedup {fmt(tp['speedup'], '.2f')}x, "
+         f"scaling efficiency {fmt(tp['scaling_efficiency'], '.2f')}.", "",
+         "| model | test loss | train tok/s | adapter |", "|---|---|---|---|"]
     for name in ("base", "control", "dual"):
-        loss, r = lo[name], runs.get(name, {})
-        gain = 100 * (loss - lo["base"]) / lo["base"] if loss is not None and lo["base"] else None
-        L.append(f"| {name} | {fmt(loss)} | {fmt(ppl_of(loss), '.2f')} | {fmt(gain, '+.2f')}% | "
-                 f"{fmt(r.get('tok_per_s'), '.1f')} | {fmt(r.get('adapter'), '')} |")
-    L += ["", f"Speedup (steady-state tok/s): **{fmt(tp['speedup'], '.2f')}x** (required > "
-          f"{rep['min_speedup']:g}x); scaling efficiency (speedup / {tp['world_size_ratio']:g}): "
-          f"**{fmt(tp['scaling_efficiency'], '.2f')}**.", "", "## Runs", "",
-          "| | dual | control |", "|---|---|---|"]
-    for key in ("run", "ok", "world_size", "hosts", "hostfile_path", "git", "lock_sha256", "dataset",
-                "dataset_sha256", "model", "model_sha256", "final_step", "stage_wall_s",
-                "checkpoints_written", "best_adapter", "attempts", "fallback"):
-        cells = [f"{r['git'].get('commit')}{' (dirty)' if r['git'].get('dirty') else ''}" if key == "git"
-                 else fmt(r[key], "") for r in (runs["dual"], runs["control"])]
-        L.append(f"| {key} | {cells[0]} | {cells[1]} |")
+        r = runs.get(name, {})
+        L.append(f"| {name} | {fmt(lo[name])} | {fmt(r.get('tok_per_s'), '.1f')} | {fmt(r.get('adapter'))} |")
+    L += ["", "## Runs", "", "| | dual | control |", "|---|---|---|"]
+    for key in (k for k in runs["dual"] if k not in ("role", "hostfile", "reproduce")):
+        L.append(f"| {key} | {fmt(runs['dual'][key], '')} | {fmt(runs['control'].get(key), '')} |")
     return "\n".join(L + ["", "![train and validation loss of both runs](loss_curves.png)", ""])
 
 
@@ -420,18 +353,13 @@ def main() -> int:
     try:
         if not (0 <= args.tolerance < 1 and 0 <= args.min_gain < 1 and args.min_speedup >= 0
                 and (args.test_batches == -1 or args.test_batches >= 1)):
-            raise RunbookError(f"--tolerance {args.tolerance:g} and --min-gain {args.min_gain:g} are "
-                               f"fractions in [0, 1) (0.02: 2%), --min-speedup {args.min_speedup:g} is >= 0, "
-                               f"--test-batches {args.test_batches} is -1 (all) or >= 1", "compare")
+            raise RunbookError("--tolerance and --min-gain are fractions in [0, 1) (0.02: 2%), --min-speedup "
+                               ">= 0, --test-batches -1 (all) or >= 1", "compare")
         dual = run_facts("dual", args.run)
         control = run_facts("control", dual["control_run"] or f"{args.run}-control")
-        # What is on disk now must be what the runs trained on (export's rule for dataset_sha256).
-        data = paths.DATASETS / str(dual["dataset"])
+        data = paths.DATASETS / str(dual["dataset"])  # on disk now, it must be what the runs trained on
         on_disk = digest_of(tree_hashes(data, SPLITS)) if all((data / s).is_file() for s in SPLITS) else None
         comp = comparability(dual, control, on_disk, dual["model"] and launch.model_hash(dual["model"]))
-        for ch in comp["checks"]:
-            event("compare-check", key=ch["name"], status="same" if ch["ok"] else "DIFFERS",
-                  dual=json.dumps(ch["dual"]), control=json.dumps(ch["control"]))
         ev = evaluate_models(dual["model"], {"control": control["adapter"], "dual": dual["adapter"]}, data,
                              dual["config"], args.test_batches) if comp["ok"] else None
     except (RunbookError, ValueError) as e:
@@ -444,22 +372,17 @@ def main() -> int:
     with atomic.atomic_dir(run_dir / "compare") as tmp:
         atomic.write_json(tmp / "report.json", rep)
         atomic.write_text(tmp / "report.md", render_md(rep))
-        plot_curves(tmp / "loss_curves.png", dual, control, losses, v["verdict"])
+        plot_curves(tmp / "loss_curves.png", dual, control, rep["loss"]["base"], v["verdict"])
     launch.write_reproduce(run_dir, "compare", cmd, [[sys.executable, "bin/compare.py", *sys.argv[1:]]])
     launch.finish_manifest(run_dir, "compare", v)
-    lo, rel = rep["loss"], rep["loss"]["relative_diff"]
     event("compare", run=args.run, control=control["run"], verdict=json.dumps(v["verdict"]),
-          **{f"{k}_loss": lo[k] for k in ("base", "control", "dual")}, rel_loss_pct=rel and 100 * rel,
-          speedup=v["speedup"], efficiency=v["scaling_efficiency"],
-          report=f"runs/{args.run}/compare/report.md")
-    for w in comp["warnings"]:
-        print(f"warning: {w}", flush=True)
-    if v["ok"]:
-        return 0
-    if v["category"]:
+          **{f"{k}_loss": rep["loss"][k] for k in ("base", "control", "dual")}, speedup=v["speedup"],
+          efficiency=v["scaling_efficiency"], report=f"runs/{args.run}/compare/report.md")
+    if not v["ok"] and v["category"]:
         launch.print_category(v["category"], "; ".join(v["reasons"]))
-        return v["exit_code"]
-    return die(RunbookError(f"{v['verdict']}: {'; '.join(v['reasons'])}", v["anchor"]), v["exit_code"])
+    elif not v["ok"]:
+        die(RunbookError(f"{v['verdict']}: {'; '.join(v['reasons'])}", v["anchor"]), v["exit_code"])
+    return v["exit_code"]
 
 
 if __name__ == "__main__":
