@@ -66,7 +66,7 @@ def main() -> int:
                                "a checkpoint, then a resume", "smoke")
     except (RunbookError, ValueError) as e:
         return die(e, 2)
-    run_dir, run_rel, v = paths.run_dir(args.run), f"runs/{args.run}/smoke", launch.variables(args)
+    run_dir, run_rel, v = paths.run_dir(args.run), f"runs/{args.run}/smoke", launch.variables(args, "smoke")
     launch.write_manifest(run_dir, "smoke", v, hf, {"world_size": hf.size})
     targs = launch.trainer_args(args, run_rel, args.config, iters=save_every)
     res, ev, argv = launch.launch_and_collect(args, hf, run_rel, targs, "launch-1.log")

@@ -346,11 +346,12 @@ def load_inputs(args):
     return hf, cfg
 
 
-def variables(args, **extra) -> dict:
-    """The make variables of this invocation, for the manifest and reproduce.sh."""
-    v = {"RUN": args.run, "HOSTFILE": args.hostfile, "CONFIG": args.config, "MODEL": args.model,
-         "DATASET": args.dataset, "REMOTE_ROOT": args.remote_root, "PYTHON": args.python, "SEED": args.seed,
-         "WATCHDOG": None if args.watchdog is None else f"{args.watchdog:g}", "PORT": args.port, **extra}
+def variables(args, stage: str, **extra) -> dict:
+    """The make variables of `make <stage>` that re-runs this invocation (smoke reads SMOKE_CONFIG)."""
+    v = {"RUN": args.run, "HOSTFILE": args.hostfile, "SMOKE_CONFIG" if stage == "smoke" else "CONFIG": args.config,
+         "MODEL": args.model, "DATASET": args.dataset, "REMOTE_ROOT": args.remote_root, "PYTHON": args.python,
+         "SEED": args.seed, "WATCHDOG": None if args.watchdog is None else f"{args.watchdog:g}", "PORT": args.port,
+         **extra}
     return {k: str(val) for k, val in v.items() if val not in (None, "", False)}
 
 
