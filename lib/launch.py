@@ -29,7 +29,7 @@ from pathlib import Path
 
 from lib import atomic, jsonl, paths
 from lib.config import fallback_ladder, load_config, set_flag
-from lib.hashing import digest_of, sha256_file, tree_hashes
+from lib.hashing import digest_of, iter_files, sha256_file, tree_hashes
 from lib.hostfile import Hostfile, is_local
 from lib.hostfile import load as load_hostfile
 from lib.log import CATEGORIES, HANG, OOM_RE, OTHER_FAILURES, PARITY, anchor_of, event
@@ -39,8 +39,7 @@ STEP_RE = re.compile(r"(?:^|\s)iter (\d+)\b")
 PROGRESS_RE = re.compile(r"(?:^|\s)(?:progress|rank-joined) rank \d+ ")
 DONE_RE = re.compile(r"(?:^|\s)done step \d+")
 RANK_STEP_RE = re.compile(r"(?:^|\s)iter \d+ rank \d+ ")  # every step, every rank: logs only
-REPORT_RE = re.compile(r"iter (?P<step>\d+) train_loss (?P<loss>\S+) .*tok/s (?P<tps>\S+) peak_mem_gb (?P<mem>\S+)")
-DEFAULT_WATCHDOG_S = 300.0
+REPORT_RE = re.compile(r"iter (\d+) train_loss (\S+) .*tok/s (\S+) peak_mem_gb (\S+)")  # rank 0's report
 STAGE_ORDER = ("export", "sync", "smoke", "train", "control", "compare")
 NOW = "%Y-%m-%dT%H:%M:%S%z"
 
@@ -59,30 +58,23 @@ def git_info() -> dict:
 
 
 def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    with contextlib.suppress(OSError, ValueError):
+        if isinstance(data := json.loads(path.read_text()), dict):
+            return data
+    return {}
 
 
 def model_hash(model: str) -> str:
-    """sha256 over a model folder's file hashes (cached by path, size, mtime), else "hub:<id>"."""
-    full = Path(model) if Path(model).is_absolute() else paths.ROOT / model
-    if not full.is_dir():
+    """sha256 over the files sync ships of a model folder (cached by path, size, mtime), else "hub:<id>"."""
+    if not (full := paths.ROOT / model).is_dir():  # an absolute MODEL stays itself
         return f"hub:{model}"
-    files = sorted(f.relative_to(full).as_posix() for f in full.rglob("*") if f.is_file() and not f.name.startswith("."))
-    key = digest_of({f: f"{(full / f).stat().st_size}:{(full / f).stat().st_mtime_ns}" for f in files})
+    files = iter_files(full, ["."])
+    key = digest_of({f: f"{(st := (full / f).stat()).st_size}:{st.st_mtime_ns}" for f in files})
     known = read_json(cache := paths.ROOT / ".stamps" / "model-hashes.json")
     if known.get(str(full), {}).get("key") != key:
         known[str(full)] = {"key": key, "sha256": digest_of(tree_hashes(full, files))}
         atomic.write_json(cache, known)
     return known[str(full)]["sha256"]
-
-
-def dataset_sha256(dataset: str) -> str:
-    m = paths.DATASETS / dataset / "manifest.json"
-    return read_json(m).get("dataset_sha256", "unknown") if m.is_file() else "missing"
 
 
 def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, extra: dict) -> dict:
@@ -91,11 +83,13 @@ def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, ext
     stages[stage] = {"started": time.strftime(NOW)}
     ds, model = variables["DATASET"], variables["MODEL"]
     dman = read_json(paths.DATASETS / ds / "manifest.json")
-    man = {"run": variables["RUN"], "git": git_info(), "lock_sha256": sha256_file(paths.ROOT / "requirements.lock"),
-           "hostfile": hf.to_json(), "hostfile_path": variables["HOSTFILE"], "dataset": ds, "model": model,
-           "dataset_sha256": dataset_sha256(ds), "model_sha256": model_hash(model), "variables": variables,
-           "corpus": dman.get("sources"), "corpus_sha256": dman.get("corpus_sha256"),
-           "export_settings": dman.get("settings"), "stages": stages, **extra}
+    lock = sha256_file(paths.ROOT / "requirements.lock")
+    man = {"run": variables["RUN"], "git": git_info(), "lock_sha256": lock, "hostfile": hf.to_json(),
+           "hostfile_path": variables["HOSTFILE"], "variables": variables,
+           "dataset": ds, "dataset_sha256": dman.get("dataset_sha256", "unknown" if dman else "missing"),
+           "model": model, "model_sha256": model_hash(model), "corpus": dman.get("sources"),
+           "corpus_sha256": dman.get("corpus_sha256"), "export_settings": dman.get("settings"),
+           "stages": stages, **extra}
     atomic.write_json(run_dir / "manifest.json", man)
     return man
 
@@ -111,21 +105,22 @@ def export_section(dataset: str) -> list[str]:
     """reproduce.sh's first section: the `make export` of datasets/<dataset>, from its manifest."""
     man = read_json(paths.DATASETS / dataset / "manifest.json")
     files = [f for f in man.get("sources") or [] if isinstance(f, dict) and isinstance(f.get("path"), str)]
-    head = ["# --- stage: export ---", f"# The dataset {dataset} this run used (datasets/{dataset}/manifest.json):"]
+    head = ["# --- stage: export ---", f"# The dataset {dataset} this run used (its manifest.json):"]
     if not files:
-        return head + ["# corpus not recorded in its manifest: re-export it with", f"# make export CORPUS=... DATASET={dataset}"]
-    shown = {f["path"]: f["path"].replace("\n", "\\n").replace("\r", "\\r") for f in files}  # a comment ends at \n
-    head += [f"# corpus file {shown[f['path']]} sha256 {f.get('sha256', 'not recorded')}" for f in files]
-    head += [f"# corpus_sha256 {man.get('corpus_sha256', 'not recorded')}; "
-             f"dataset_sha256 {man.get('dataset_sha256', 'not recorded')}"]
+        return head + ["# corpus not recorded in its manifest: re-export it with",
+                       f"# make export CORPUS=... DATASET={dataset}"]
+    for f in files:  # escaped: a comment ends at a newline
+        shown = f["path"].replace("\n", "\\n").replace("\r", "\\r")
+        head.append(f"# corpus file {shown} sha256 {f.get('sha256', 'not recorded')}")
+    head.append(f"# corpus_sha256 {man.get('corpus_sha256', 'not recorded')}; "
+                f"dataset_sha256 {man.get('dataset_sha256', 'not recorded')}")
     s = man.get("settings") or {}
-    flags = [f"--ratios={','.join(str(s['ratios'][k]) for k in ('train', 'valid', 'test'))}"] if "ratios" in s else []
-    flags += [f"--field={k}={v}" for k, v in (s.get("fields") or {}).items()]
-    flags += [f"--role={k}={v}" for k, v in (s.get("roles") or {}).items()]
-    flags += [f"--{k.replace('_', '-')}={s[k]}" for k in ("max_reject_ratio", "max_chars", "text_system_prompt",
-                                                          "text_user_prompt") if k in s]
-    return head + [shlex.join(["make", "export", "CORPUS=" + " ".join(f["path"] for f in files), f"DATASET={dataset}",
-                               "EXPORT_ARGS=" + shlex.join(flags)])]
+    flags = [f"--ratios={r['train']},{r['valid']},{r['test']}"] if (r := s.get("ratios")) else []
+    flags += [f"--{o}={k}={v}" for o in ("field", "role") for k, v in (s.get(o + "s") or {}).items()]
+    flags += [f"--{k.replace('_', '-')}={s[k]}" for k in ("max_reject_ratio", "max_chars",
+                                                          "text_system_prompt", "text_user_prompt") if k in s]
+    return head + [shlex.join(["make", "export", "CORPUS=" + " ".join(f["path"] for f in files),
+                               f"DATASET={dataset}", "EXPORT_ARGS=" + shlex.join(flags)])]
 
 
 def write_reproduce(run_dir: Path, stage: str, make_cmd: list[str], launch_cmds: list[list[str]],
@@ -134,15 +129,15 @@ def write_reproduce(run_dir: Path, stage: str, make_cmd: list[str], launch_cmds:
     path = run_dir / "reproduce.sh"
     old = path.read_text().split("\n# --- stage: ")[1:] if path.is_file() else []
     sections = {b.split(" ", 1)[0].strip(): "# --- stage: " + b.rstrip("\n") for b in old}
-    sections[stage] = "\n".join([f"# --- stage: {stage} ---", "# The make invocation (re-runs the stage with every variable):",
-                                 shlex.join(make_cmd), "# What it ran underneath (from the repo root on this orchestrator):"]
-                                + ["# " + shlex.join(c) for c in launch_cmds])
+    sections[stage] = "\n".join([f"# --- stage: {stage} ---", "# The make line (re-runs it, every variable):",
+                                 shlex.join(make_cmd), "# What it ran (from the repo root here):",
+                                 *("# " + shlex.join(c) for c in launch_cmds)])
     if dataset := dataset or read_json(run_dir / "manifest.json").get("dataset"):
         sections["export"] = "\n".join(export_section(dataset))
-    keys = sorted(sections, key=lambda k: (STAGE_ORDER.index(k) if k in STAGE_ORDER else len(STAGE_ORDER), k))
-    atomic.write_text(path, "\n".join(["#!/usr/bin/env bash", "# Reproduce this run: copy a stage's make line, or run "
-                                       "this file from the repo root.", "set -euo pipefail", 'cd "$(dirname "$0")/../.."'])
-                      + "\n\n" + "\n\n".join(sections[k] for k in keys) + "\n")
+    keys = sorted(sections, key=lambda k: ((*STAGE_ORDER, k).index(k), k))
+    atomic.write_text(path, "#!/usr/bin/env bash\n# Reproduce this run: copy a stage's make line, or run "
+                      'this file from the repo root.\nset -euo pipefail\ncd "$(dirname "$0")/../.."\n\n'
+                      + "\n\n".join(sections[k] for k in keys) + "\n")
     path.chmod(0o755)
 
 
@@ -164,16 +159,15 @@ def launch_argv(hostfile_path: str, hf: Hostfile, python: str, remote_root: str,
     if hf.size == 1:
         cmd = ["sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", remote_root, python, script, *trainer_args]
         return cmd if is_local(hf.hosts[0].ssh) else ssh_argv(hf.hosts[0].ssh, cmd)
-    argv = [str(Path(sys.executable).with_name("mlx.launch")), "--hostfile", hostfile_path, "--python", python,
-            "--cwd", remote_root]
+    argv = [str(Path(sys.executable).with_name("mlx.launch")), "--hostfile", hostfile_path,
+            "--python", python, "--cwd", remote_root]
     argv += ["--backend", hf.backend] if hf.backend else []
     argv += ["--starting-port", str(port)] if port else []
     return argv + ["--", script, *trainer_args]
 
 
 class Watch:
-    """Tees the launch's output to the log (timestamped) and the terminal (rank 0's report as one
-    `step` line with ETA, not the per-rank lines); a new step or a progress line is progress."""
+    """Tees the launch to the log (timestamped) and the terminal (a `step` line per report, not per rank)."""
 
     def __init__(self, res: LaunchResult, total: int | None = None):
         self.res, self.lock, self.total = res, threading.Lock(), total
@@ -202,10 +196,10 @@ class Watch:
                 return None
             if not (r := REPORT_RE.search(text)):
                 return text.rstrip("\n")
-            left = (self.total - int(r["step"])) * statistics.median(self.res.step_times or [0.0]) if self.total else None
-            eta = time.strftime('%H:%M:%S', time.gmtime(left)) if left is not None else "?"
-            return (f"step {r['step']}/{self.total or '?'} loss {r['loss']} tok/s {float(r['tps']):.0f} "
-                    f"eta {eta} peak_mem_gb {r['mem']}")
+            left = ((self.total or 0) - int(r[1])) * statistics.median(self.res.step_times or [0])
+            eta = time.strftime("%H:%M:%S", time.gmtime(left)) if self.total else "?"
+            return (f"step {r[1]}/{self.total or '?'} loss {r[2]} tok/s {float(r[3]):.0f} eta {eta} "
+                    f"peak_mem_gb {r[4]}")
 
 
 def run_watched(argv: list[str], log_path: Path, window_s: float | None, total: int | None = None):
@@ -221,29 +215,26 @@ def run_watched(argv: list[str], log_path: Path, window_s: float | None, total: 
         time.sleep(0.2)
         with watch.lock:
             idle = time.monotonic() - watch.last
-            window = window_s or max(10 * statistics.median(res.step_times or [0]), DEFAULT_WATCHDOG_S)
+            window = window_s or max(10 * statistics.median(res.step_times or [0]), 300.0)
         if idle > window:
             res.watchdog_fired = True
-            print(f"watchdog: no progress for {idle:.0f} s (window {window:.0f} s); stopping every rank", flush=True)
-            stop_group(proc)
+            print(f"watchdog: no progress for {idle:.0f} s (window {window:.0f} s); stopping every rank")
+            for sig in (signal.SIGTERM, signal.SIGKILL):  # the launcher's process group; SIGKILL after 5 s
+                with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=5)
+                    break
             break
     proc.wait()
     reader.join(timeout=10)
-    res.returncode, res.wall_s, res.last_progress_s = proc.returncode, time.monotonic() - t0, watch.last - t0
+    res.returncode, res.last_progress_s, res.wall_s = proc.returncode, watch.last - t0, time.monotonic() - t0
     return res
-
-
-def stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM the launcher's process group, then SIGKILL what is left after `grace`."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):  # gone: SIGKILL finds none either
-            os.killpg(proc.pid, sig)
-            return proc.wait(timeout=grace) and None
 
 
 def sweep(hf: Hostfile, run_rel: str) -> dict[str, str]:
     """Kill any rank process of this run left on any host (SIGCONT first so a frozen one can die)."""
-    argv = ["sh", "-c", 'pkill -CONT -f -- "$1"; pkill -KILL -f -- "$1" && echo killed || true', "sh", trainer_pattern(run_rel)]
+    argv = ["sh", "-c", 'pkill -CONT -f -- "$1"; pkill -KILL -f -- "$1" && echo killed || true', "sh",
+            trainer_pattern(run_rel)]
     with ThreadPoolExecutor(len(hf.unique_ssh())) as pool:
         rs = list(pool.map(lambda h: run_on(h, argv, timeout=15), hf.unique_ssh()))
     return {r.host: "killed leftovers" if "killed" in r.stdout else "clean" if r.ok else
@@ -257,25 +248,15 @@ def fetch(hf: Hostfile, run_rel: str, remote_root: str) -> dict[str, str]:
     if Path(remote_root) == paths.ROOT and all(is_local(h.ssh) for h in hf.hosts):
         return {h: "local" for h in hf.unique_ssh()}
     for i, host in enumerate(hf.unique_ssh()):
-        src = f"{remote_root}/{run_rel}/" if is_local(host) else f"{host}:{remote_root}/{run_rel}/"
+        src = ("" if is_local(host) else f"{host}:") + f"{remote_root}/{run_rel}/"
         only_logs = ["--include=logs/", "--include=logs/**", "--exclude=*"] if i else []
-        p = subprocess.run(["rsync", "-a", "-e", rsh(), *only_logs, src, f"{local_dir}/"], capture_output=True,
-                           text=True, timeout=600, stdin=subprocess.DEVNULL)
+        p = subprocess.run(["rsync", "-a", "-e", rsh(), *only_logs, src, f"{local_dir}/"],
+                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
         out[host] = "ok" if p.returncode == 0 else f"rsync exit {p.returncode}: {p.stderr.strip()[:200]}"
     return out
 
 
 # ---- what happened -------------------------------------------------------------------------
-def rank_events(run_dir: Path, launch_id: str) -> dict:
-    """logs/rank-R.{joined,failure}.json of this launch_id (older ones are stale)."""
-    out = {"joined": {}, "failures": {}}
-    for kind, key in (("joined", "joined"), ("failure", "failures")):
-        for f in sorted((run_dir / "logs").glob(f"rank-*.{kind}.json")):
-            if (d := read_json(f)).get("launch_id") == launch_id:
-                out[key][int(f.name.split("-")[1].split(".")[0])] = d
-    return out
-
-
 def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str]:
     """(category, why) of a failed launch, (None, "") of a good one: every rank joined, no failure file
     and the trainer's `done` line (mlx.launch 0.32.4 can exit 0 when a rank never started)."""
@@ -288,9 +269,9 @@ def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str
         missing = sorted(set(range(world)) - set(ev["joined"]))
         return PARITY, f"ranks {missing} never initialized (launcher exit {res.returncode})"
     if ev["failures"]:
-        r, f = sorted(ev["failures"].items())[0]
-        return OTHER_FAILURES.get(f.get("kind"), OTHER_FAILURES["error"])[0], f"rank {r}: {f.get('message', '')}"
-    if ev.get("oom_line"):  # killed by the allocator (a segfault on CPU, an abort on Metal) before it could say so
+        r, f = min(ev["failures"].items())
+        return OTHER_FAILURES.get(f.get("kind"), OTHER_FAILURES["error"])[0], f"rank {r}: {f.get('message')}"
+    if ev.get("oom_line"):  # the allocator killed it (segfault on CPU, abort on Metal) before it could say so
         return OTHER_FAILURES["oom"][0], f"a rank died out of memory: {ev['oom_line']}"
     if res.returncode != 0 or not res.done:
         return HANG, (f"a rank died mid-run (launcher exit {res.returncode}, trainer "
@@ -303,7 +284,8 @@ def oom_line(log_path: Path, offset: int = 0) -> str | None:
     try:
         with open(log_path, "rb") as f:
             f.seek(offset)
-            return next((line[:300] for raw in f if OOM_RE.search(line := raw.decode(errors="replace").strip())), None)
+            lines = (raw.decode(errors="replace").strip() for raw in f)
+            return next((line[:300] for line in lines if OOM_RE.search(line)), None)
     except OSError:
         return None
 
@@ -320,7 +302,7 @@ def oom_ladder(cfg: dict, argv: list[str], world: int) -> list[str]:
 
 
 def print_category(category: str, why: str) -> None:
-    print(f"FAILED category: {category}: {why}; see RUNBOOK.md#{anchor_of(category)}", file=sys.stderr, flush=True)
+    print(f"FAILED category: {category}: {why}; see RUNBOOK.md#{anchor_of(category)}", file=sys.stderr)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -331,10 +313,10 @@ def metrics(run_dir: Path) -> list[dict]:
 def add_common_args(p) -> None:
     for flag in ("--run", "--hostfile", "--config", "--model", "--dataset", "--remote-root", "--python"):
         p.add_argument(flag, required=True)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--watchdog", type=float, default=None, help="seconds without progress before every rank "
-                   "is stopped (default: the config's watchdog_s, else max(10 x median step time, 300))")
-    p.add_argument("--port", type=int, default=None, help="first ring port (mlx.launch --starting-port)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--watchdog", type=float, help="seconds without progress before every rank is stopped "
+                   "(default: the config's watchdog_s, else max(10 x median step, 300))")
+    p.add_argument("--port", type=int, help="first ring port (mlx.launch --starting-port)")
 
 
 def load_inputs(args):
@@ -348,10 +330,10 @@ def load_inputs(args):
 
 def variables(args, stage: str, **extra) -> dict:
     """The make variables of `make <stage>` that re-runs this invocation (smoke reads SMOKE_CONFIG)."""
-    v = {"RUN": args.run, "HOSTFILE": args.hostfile, "SMOKE_CONFIG" if stage == "smoke" else "CONFIG": args.config,
-         "MODEL": args.model, "DATASET": args.dataset, "REMOTE_ROOT": args.remote_root, "PYTHON": args.python,
-         "SEED": args.seed, "WATCHDOG": None if args.watchdog is None else f"{args.watchdog:g}", "PORT": args.port,
-         **extra}
+    config = "SMOKE_CONFIG" if stage == "smoke" else "CONFIG"
+    v = {"RUN": args.run, "HOSTFILE": args.hostfile, config: args.config, "MODEL": args.model,
+         "DATASET": args.dataset, "REMOTE_ROOT": args.remote_root, "PYTHON": args.python, "SEED": args.seed,
+         "WATCHDOG": args.watchdog and f"{args.watchdog:g}", "PORT": args.port, **extra}
     return {k: str(val) for k, val in v.items() if val not in (None, "", False)}
 
 
@@ -359,16 +341,16 @@ def make_cmd(target: str, v: dict) -> list[str]:
     return ["make", target] + [f"{k}={val}" for k, val in v.items()]
 
 
-def trainer_args(args, run_rel: str, config: str, iters: int | None = None, resume: bool = False) -> list[str]:
-    a = ["--config", config, "--model", args.model, "--data", f"datasets/{args.dataset}", "--run-dir", run_rel]
-    a += ["--seed", str(args.seed)] if args.seed is not None else []
+def trainer_args(args, run_rel: str, config: str, iters: int | None = None, resume: bool = False):
+    a = ["--config", config, "--model", args.model, "--data", f"datasets/{args.dataset}"]
+    a += ["--run-dir", run_rel] + (["--seed", str(args.seed)] if args.seed is not None else [])
     a += ["--iters", str(iters)] if iters is not None else []
     return a + (["--resume"] if resume else [])
 
 
 def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str,
                        total: int | None = None) -> tuple[LaunchResult, dict, list[str]]:
-    """One launch: run it watched, sweep the hosts, fetch the artifacts, read the ranks' events."""
+    """One launch: run it watched, sweep the hosts, fetch the run folder, read its ranks' events."""
     launch_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log_name.split('.')[0]}"
     argv = launch_argv(args.hostfile, hf, args.python, args.remote_root,
                        [*targs, "--expect-world-size", str(hf.size), "--launch-id", launch_id], args.port)
@@ -377,21 +359,22 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
     offset = log_path.stat().st_size if log_path.is_file() else 0
     res = run_watched(argv, log_path, args.watchdog, total=total)
     swept, fetched = sweep(hf, run_rel), fetch(hf, run_rel, args.remote_root)
-    ev = rank_events(paths.ROOT / run_rel, launch_id)
-    ev.update(oom_line=oom_line(log_path, offset), swept=swept, fetched=fetched)
-    return res, ev, argv
+    ev = {key: {int(f.name.split(".")[0][5:]): d for f in sorted(log_path.parent.glob(f"rank-*.{kind}.json"))
+                if (d := read_json(f)).get("launch_id") == launch_id}  # an earlier launch's are stale
+          for key, kind in (("joined", "joined"), ("failures", "failure"))}
+    return res, {**ev, "oom_line": oom_line(log_path, offset), "swept": swept, "fetched": fetched}, argv
 
 
 def summarize(res: LaunchResult, category: str | None, why: str, extra: dict) -> dict:
-    return {"ok": category is None, "returncode": res.returncode, "category": category,
-            "anchor": anchor_of(category) if category else None, "why": why, "wall_s": round(res.wall_s, 3),
-            "watchdog_fired": res.watchdog_fired, "last_step_seen": res.steps[-1] if res.steps else None, **extra}
+    return {"ok": category is None, "returncode": res.returncode, "category": category, "why": why,
+            "anchor": anchor_of(category) if category else None, "wall_s": round(res.wall_s, 3),
+            "watchdog_fired": res.watchdog_fired, "last_step_seen": (res.steps or [None])[-1], **extra}
 
 
 def conclude(run_dir: Path, stage: str, summary: dict, cfg: dict, argv: list[str], world: int) -> int:
-    """The end of a launching stage: <stage>.json, the manifest, the trainer's warnings, the category
-    and (out of memory) the fallback ladder on stderr, the PASS/FAIL line. Returns the exit code."""
-    summary["warnings"] = [m for m in metrics(run_dir) if isinstance(m, dict) and m.get("kind") == "warning"]
+    """A launching stage's end: <stage>.json, the manifest, warnings, the category (and the OOM
+    fallback ladder) on stderr, the PASS/FAIL line. Returns the exit code."""
+    summary["warnings"] = [m for m in metrics(run_dir) if m.get("kind") == "warning"]
     for w in summary["warnings"]:  # e.g. no-improvement: shown once more just above PASS/FAIL
         event("warning", stage=stage, what=w.get("what"), message=json.dumps(w.get("message")))
     atomic.write_json(run_dir / f"{stage}.json", summary)
@@ -399,9 +382,10 @@ def conclude(run_dir: Path, stage: str, summary: dict, cfg: dict, argv: list[str
     if summary["category"]:
         print_category(summary["category"], summary["why"])
     if summary["category"] == OTHER_FAILURES["oom"][0]:
-        print("fallback ladder (paste one; each keeps the global batch):", file=sys.stderr)
-        print("\n".join(oom_ladder(cfg, argv, world)), file=sys.stderr)
-    shown = {"test_loss": summary.get("test_loss"), "wall_s": summary["total_wall_s"], "best_adapter": summary.get("best_adapter")}
-    event(stage, run=summary.get("run"), status="PASS" if summary["ok"] else "FAIL", **{
-        k: v for k, v in shown.items() if v is not None or k == "test_loss" and k in summary})
+        print("fallback ladder (paste one; each keeps the global batch):", *oom_ladder(cfg, argv, world),
+              sep="\n", file=sys.stderr)
+    shown = {"test_loss": summary.get("test_loss"), "wall_s": summary["total_wall_s"],
+             "best_adapter": summary.get("best_adapter")}  # train/control show test_loss even when None
+    event(stage, run=summary.get("run"), status="PASS" if summary["ok"] else "FAIL",
+          **{k: v for k, v in shown.items() if v is not None or k == "test_loss" and k in summary})
     return 0 if summary["ok"] else 1
