@@ -202,35 +202,6 @@ class Watch:
                     f"peak_mem_gb {r[4]}")
 
 
-def run_watched(argv: list[str], log_path: Path, window_s: float | None, total: int | None = None):
-    """Run the launch, tee it, stop it after window_s (None: max(10 x median step, 300)) without progress."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    watch = Watch(res := LaunchResult(returncode=-1, wall_s=0), total)
-    t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    reader = threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)
-    reader.start()
-    while proc.poll() is None:
-        time.sleep(0.2)
-        with watch.lock:
-            idle = time.monotonic() - watch.last
-            window = window_s or max(10 * statistics.median(res.step_times or [0]), 300.0)
-        if idle > window:
-            res.watchdog_fired = True
-            print(f"watchdog: no progress for {idle:.0f} s (window {window:.0f} s); stopping every rank")
-            for sig in (signal.SIGTERM, signal.SIGKILL):  # the launcher's process group; SIGKILL after 5 s
-                with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
-                    os.killpg(proc.pid, sig)
-                    proc.wait(timeout=5)
-                    break
-            break
-    proc.wait()
-    reader.join(timeout=10)
-    res.returncode, res.last_progress_s, res.wall_s = proc.returncode, watch.last - t0, time.monotonic() - t0
-    return res
-
-
 def sweep(hf: Hostfile, run_rel: str) -> dict[str, str]:
     """Kill any rank process of this run left on any host (SIGCONT first so a frozen one can die)."""
     argv = ["sh", "-c", 'pkill -CONT -f -- "$1"; pkill -KILL -f -- "$1" && echo killed || true', "sh",
@@ -244,10 +215,7 @@ def sweep(hf: Hostfile, run_rel: str) -> dict[str, str]:
 def fetch(hf: Hostfile, run_rel: str, remote_root: str) -> dict[str, str]:
     """Bring run_rel home: everything from rank 0's host, the logs from the others."""
     out, local_dir = {}, paths.ROOT / run_rel
-    local_dir.mkdir(parents=True, exist_ok=True)
-    if Path(remote_root) == paths.ROOT and all(is_local(h.ssh) for h in hf.hosts):
-        return {h: "local" for h in hf.unique_ssh()}
-    for i, host in enumerate(hf.unique_ssh()):
+    for i, host in enumerate(hf.unique_ssh()):  # all on this Mac in this checkout: a no-op copy
         src = ("" if is_local(host) else f"{host}:") + f"{remote_root}/{run_rel}/"
         only_logs = ["--include=logs/", "--include=logs/**", "--exclude=*"] if i else []
         p = subprocess.run(["rsync", "-a", "-e", rsh(), *only_logs, src, f"{local_dir}/"],
@@ -281,13 +249,10 @@ def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str
 
 def oom_line(log_path: Path, offset: int = 0) -> str | None:
     """The first out-of-memory message after `offset` in the launch log, if any."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(offset)
-            lines = (raw.decode(errors="replace").strip() for raw in f)
-            return next((line[:300] for line in lines if OOM_RE.search(line)), None)
-    except OSError:
-        return None
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        return next((line[:300] for raw in f if OOM_RE.search(line := raw.decode(errors="replace").strip())),
+                    None)
 
 
 def oom_ladder(cfg: dict, argv: list[str], world: int) -> list[str]:
@@ -350,14 +315,37 @@ def trainer_args(args, run_rel: str, config: str, iters: int | None = None, resu
 
 def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str,
                        total: int | None = None) -> tuple[LaunchResult, dict, list[str]]:
-    """One launch: run it watched, sweep the hosts, fetch the run folder, read its ranks' events."""
+    """One launch, teed to logs/<log_name>; no progress for the watchdog window (--watchdog, else
+    max(10 x median step, 300 s)) stops every rank. Then the hosts swept, the run folder fetched and
+    this launch's rank events read."""
     launch_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log_name.split('.')[0]}"
     argv = launch_argv(args.hostfile, hf, args.python, args.remote_root,
                        [*targs, "--expect-world-size", str(hf.size), "--launch-id", launch_id], args.port)
     event("launch", run=run_rel, world_size=hf.size, cmd=shlex.join(argv))
-    log_path = paths.ROOT / run_rel / "logs" / log_name
+    (log_path := paths.ROOT / run_rel / "logs" / log_name).parent.mkdir(parents=True, exist_ok=True)
     offset = log_path.stat().st_size if log_path.is_file() else 0
-    res = run_watched(argv, log_path, args.watchdog, total=total)
+    watch, t0 = Watch(res := LaunchResult(returncode=-1, wall_s=0), total), time.monotonic()
+    proc = subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    reader = threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        time.sleep(0.2)
+        with watch.lock:
+            idle = time.monotonic() - watch.last
+            window = args.watchdog or max(10 * statistics.median(res.step_times or [0]), 300.0)
+        if idle > window:
+            res.watchdog_fired = True
+            print(f"watchdog: no progress for {idle:.0f} s (window {window:.0f} s); stopping every rank")
+            for sig in (signal.SIGTERM, signal.SIGKILL):  # the launcher's process group; SIGKILL after 5 s
+                with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=5)
+                    break
+            break
+    proc.wait()
+    reader.join(timeout=10)
+    res.returncode, res.last_progress_s, res.wall_s = proc.returncode, watch.last - t0, time.monotonic() - t0
     swept, fetched = sweep(hf, run_rel), fetch(hf, run_rel, args.remote_root)
     ev = {key: {int(f.name.split(".")[0][5:]): d for f in sorted(log_path.parent.glob(f"rank-*.{kind}.json"))
                 if (d := read_json(f)).get("launch_id") == launch_id}  # an earlier launch's are stale
@@ -384,8 +372,8 @@ def conclude(run_dir: Path, stage: str, summary: dict, cfg: dict, argv: list[str
     if summary["category"] == OTHER_FAILURES["oom"][0]:
         print("fallback ladder (paste one; each keeps the global batch):", *oom_ladder(cfg, argv, world),
               sep="\n", file=sys.stderr)
-    shown = {"test_loss": summary.get("test_loss"), "wall_s": summary["total_wall_s"],
-             "best_adapter": summary.get("best_adapter")}  # train/control show test_loss even when None
-    event(stage, run=summary.get("run"), status="PASS" if summary["ok"] else "FAIL",
-          **{k: v for k, v in shown.items() if v is not None or k == "test_loss" and k in summary})
+    shown = {"test_loss": summary["test_loss"]} if "test_loss" in summary else {}  # train/control: even None
+    best = {"best_adapter": summary["best_adapter"]} if summary.get("best_adapter") else {}
+    event(stage, run=summary.get("run"), status="PASS" if summary["ok"] else "FAIL", **shown,
+          wall_s=summary["total_wall_s"], **best)
     return 0 if summary["ok"] else 1
