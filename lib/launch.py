@@ -257,11 +257,9 @@ def oom_line(log_path: Path, offset: int = 0) -> str | None:
 
 def oom_ladder(cfg: dict, argv: list[str], world: int) -> list[str]:
     """lib.config's fallback ladder as launch commands to paste, each in its own run folder."""
-    cut = argv.index("bin/train.py") + 1 if "bin/train.py" in argv else len(argv)
-    lines = []
+    cut, lines = argv.index("bin/train.py") + 1, []  # the trainer's flags always include --run-dir
     for n, (what, rung) in enumerate(fallback_ladder(cfg, argv[cut:], world), 1):
-        if "--run-dir" in rung:
-            rung = set_flag(rung, "--run-dir", f"{rung[rung.index('--run-dir') + 1]}-oom{n}")
+        rung = set_flag(rung, "--run-dir", f"{rung[rung.index('--run-dir') + 1]}-oom{n}")
         lines += [f"# rung {n}: {what}", shlex.join(argv[:cut] + rung)]
     return lines
 
@@ -288,8 +286,7 @@ def load_inputs(args):
     """(hostfile, config) of a launching stage, checked; the config's watchdog_s unless --watchdog."""
     paths.check_run_id(args.run)
     hf, cfg = load_hostfile(args.hostfile), load_config(args.config)
-    if args.watchdog is None and cfg.get("watchdog_s"):
-        args.watchdog = float(cfg["watchdog_s"])
+    args.watchdog = cfg.get("watchdog_s") if args.watchdog is None else args.watchdog
     return hf, cfg
 
 
