@@ -3,8 +3,7 @@
 Used by bin/smoke.py and bin/run.py; compare, plan, calibrate and status use its provenance helpers.
 The launch is mlx.launch with the hostfile (an argument list, never a shell string), or the trainer
 itself for one host (mlx 0.32.4 hands a lone rank an empty MLX_HOSTFILE). A new `iter N` step or a
-`progress` line is progress; none for the watchdog window stops every rank as "hang / link
-partition". Then every host is swept for leftover rank processes and the run folder is fetched.
+`progress` line is progress; none for the watchdog window stops every rank ("hang / link partition").
 
     res, ev, argv = launch.launch_and_collect(args, hf, "runs/r1", targs, "launch-train.log")
     category, why = launch.categorize(res, ev, hf.size)
@@ -78,17 +77,14 @@ def model_hash(model: str) -> str:
 
 
 def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, extra: dict) -> dict:
-    """runs/<RUN>/manifest.json: what this run is made of, written before any rank starts."""
+    """runs/<RUN>/manifest.json: what this run is made of (reproduce.sh names the dataset's corpus and
+    export settings), written before any rank starts."""
     stages = read_json(run_dir / "manifest.json").get("stages", {})
-    stages[stage] = {"started": time.strftime(NOW)}
-    ds, model = variables["DATASET"], variables["MODEL"]
-    dman = read_json(paths.DATASETS / ds / "manifest.json")
-    lock = sha256_file(paths.ROOT / "requirements.lock")
-    man = {"run": variables["RUN"], "git": git_info(), "lock_sha256": lock, "hostfile": hf.to_json(),
-           "hostfile_path": variables["HOSTFILE"], "variables": variables,
-           "dataset": ds, "dataset_sha256": dman.get("dataset_sha256", "unknown" if dman else "missing"),
-           "model": model, "model_sha256": model_hash(model), "corpus": dman.get("sources"),
-           "corpus_sha256": dman.get("corpus_sha256"), "export_settings": dman.get("settings"),
+    stages[stage], v = {"started": time.strftime(NOW)}, variables
+    dsha = read_json(paths.DATASETS / v["DATASET"] / "manifest.json").get("dataset_sha256", "missing")
+    man = {"run": v["RUN"], "git": git_info(), "lock_sha256": sha256_file(paths.ROOT / "requirements.lock"),
+           "hostfile": hf.to_json(), "hostfile_path": v["HOSTFILE"], "variables": v, "dataset": v["DATASET"],
+           "dataset_sha256": dsha, "model": v["MODEL"], "model_sha256": model_hash(v["MODEL"]),
            "stages": stages, **extra}
     atomic.write_json(run_dir / "manifest.json", man)
     return man
@@ -215,7 +211,7 @@ def sweep(hf: Hostfile, run_rel: str) -> dict[str, str]:
 def fetch(hf: Hostfile, run_rel: str, remote_root: str) -> dict[str, str]:
     """Bring run_rel home: everything from rank 0's host, the logs from the others."""
     out, local_dir = {}, paths.ROOT / run_rel
-    for i, host in enumerate(hf.unique_ssh()):  # all on this Mac in this checkout: a no-op copy
+    for i, host in enumerate(hf.unique_ssh()):  # 127.0.0.1 with REMOTE_ROOT here: a no-op copy
         src = ("" if is_local(host) else f"{host}:") + f"{remote_root}/{run_rel}/"
         only_logs = ["--include=logs/", "--include=logs/**", "--exclude=*"] if i else []
         p = subprocess.run(["rsync", "-a", "-e", rsh(), *only_logs, src, f"{local_dir}/"],
@@ -312,9 +308,8 @@ def trainer_args(args, run_rel: str, config: str, iters: int | None = None, resu
 
 def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str,
                        total: int | None = None) -> tuple[LaunchResult, dict, list[str]]:
-    """One launch, teed to logs/<log_name>; no progress for the watchdog window (--watchdog, else
-    max(10 x median step, 300 s)) stops every rank. Then the hosts swept, the run folder fetched and
-    this launch's rank events read."""
+    """One launch teed to logs/<log_name>, stopped after the watchdog window (else max(10 x median step,
+    300 s)) without progress; then the hosts swept, the run folder fetched, its rank events read."""
     launch_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log_name.split('.')[0]}"
     argv = launch_argv(args.hostfile, hf, args.python, args.remote_root,
                        [*targs, "--expect-world-size", str(hf.size), "--launch-id", launch_id], args.port)
@@ -333,7 +328,7 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
             window = args.watchdog or max(10 * statistics.median(res.step_times or [0]), 300.0)
         if idle > window:
             res.watchdog_fired = True
-            print(f"watchdog: no progress for {idle:.0f} s (window {window:.0f} s); stopping every rank")
+            print(f"watchdog: no progress for {idle:.0f} s (window {window:.0f} s); stopping every rank", flush=True)
             for sig in (signal.SIGTERM, signal.SIGKILL):  # the launcher's process group; SIGKILL after 5 s
                 with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
                     os.killpg(proc.pid, sig)
@@ -357,8 +352,7 @@ def summarize(res: LaunchResult, category: str | None, why: str, extra: dict) ->
 
 
 def conclude(run_dir: Path, stage: str, summary: dict, cfg: dict, argv: list[str], world: int) -> int:
-    """A launching stage's end: <stage>.json, the manifest, warnings, the category (and the OOM
-    fallback ladder) on stderr, the PASS/FAIL line. Returns the exit code."""
+    """The stage's end: <stage>.json, the manifest, warnings, the category (+ OOM ladder), PASS/FAIL."""
     summary["warnings"] = [m for m in metrics(run_dir) if m.get("kind") == "warning"]
     for w in summary["warnings"]:  # e.g. no-improvement: shown once more just above PASS/FAIL
         event("warning", stage=stage, what=w.get("what"), message=json.dumps(w.get("message")))
