@@ -328,7 +328,8 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
             window = args.watchdog or max(10 * statistics.median(res.step_times or [0]), 300.0)
         if idle > window:
             res.watchdog_fired = True
-            print(f"watchdog: no progress for {idle:.0f} s (window {window:.0f} s); stopping every rank", flush=True)
+            print(f"watchdog: no progress for {idle:.0f} s (window {window:.0f} s); stopping every rank",
+                  flush=True)
             for sig in (signal.SIGTERM, signal.SIGKILL):  # the launcher's process group; SIGKILL after 5 s
                 with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
                     os.killpg(proc.pid, sig)
