@@ -65,7 +65,7 @@ def recover(args, hf, run_rel: str, n: int):
     if args.fallback and n == args.restarts and 0 < len(lost) < len(hf.unique_ssh()):
         if lost := [h for h in lost if not run_on(h, ["true"], timeout=10).ok]:  # still silent after backoff
             path = paths.run_dir(args.run) / "hostfile-fallback.json"
-            keep = [h.rank for h in hf.hosts if h.ssh not in lost]  # a jaccl rdma matrix keeps their columns too
+            keep = [h.rank for h in hf.hosts if h.ssh not in lost]  # and their columns of a jaccl rdma matrix
             left = [{"ssh": h.ssh, "ips": h.ips, "rdma": [d for j, d in enumerate(h.rdma) if j in keep]}
                     for h in hf.hosts if h.rank in keep]
             atomic.write_json(path, {"backend": hf.backend, "envs": hf.envs, "hosts": left})
@@ -87,11 +87,11 @@ def run_with_restarts(args, hf, run_rel: str, targs: list[str], total: int):
     attempts, world0 = [], hf.size
     while cat == HANG and len(attempts) < args.restarts:
         hf, rec, go = recover(args, hf, run_rel, len(attempts) + 1)
-        attempts.append({**rec, "after": cat, "why": why, "last_step_seen": res.steps[-1] if res.steps else None})
+        attempts.append({**rec, "after": cat, "why": why, "last_step_seen": (res.steps or [None])[-1]})
         event("restart", run=args.run, attempt=len(attempts), of=args.restarts, after=why, world_size=hf.size,
               relaunch=go, **({"lost": rec["fallback"]["lost"]} if "fallback" in rec else {}))
         if go:  # a checkpoint of another world size resumes with the same global batch
-            t = [*targs, "--resume"] if "--resume" not in targs else targs
+            t = [*targs, *["--resume"] * ("--resume" not in targs)]  # a copy: targs stays as launched
             t += ["--allow-world-change"] if hf.size != world0 else []
             res, ev, argv = launch.launch_and_collect(args, hf, run_rel, t, f"launch-{args.stage}.log", total)
             cat, why = launch.categorize(res, ev, hf.size)

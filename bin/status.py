@@ -77,9 +77,9 @@ def ranks_from_log(log: Path, now: float) -> dict:
     out = {}
     for r, rows in sorted(seen.items()):
         tail, ago = rows[-20:], now - calendar.timegm(time.strptime(rows[-1][0], "%Y-%m-%dT%H:%M:%SZ"))
-        secs = sum(x[3] for x in tail)
-        out[r] = {"last_step": rows[-1][1], "since_s": round(ago, 1), "tok_per_s": round(
-            sum(x[2] for x in tail) / secs, 1) if secs else None, "step_s": statistics.median(x[3] for x in tail)}
+        secs, tokens = sum(x[3] for x in tail), sum(x[2] for x in tail)
+        out[r] = {"last_step": rows[-1][1], "since_s": round(ago, 1), "tok_per_s": round(tokens / secs, 1)
+                  if secs else None, "step_s": statistics.median(x[3] for x in tail)}
     return out
 
 
