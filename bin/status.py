@@ -41,7 +41,8 @@ from pathlib import Path
 def load(text):
     try: return json.loads(text)
     except ValueError: return {}
-tail = lambda p: p.read_bytes()[-65536:].decode(errors="replace") if p.is_file() else ""
+def tail(p):
+    return p.read_bytes()[-65536:].decode(errors="replace") if p.is_file() else ""
 d = Path(sys.argv[1])
 lid = load(tail(d / "logs" / "rank-0.joined.json")).get("launch_id")
 fails = {p.name.split(".")[0]: load(tail(p)) for p in sorted((d / "logs").glob("rank-*.failure.json"))}
