@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, launch, paths  # noqa: E402
-from lib.hostfile import Host, Hostfile, check_hostname  # noqa: E402
+from lib.hostfile import check_hostname  # noqa: E402
 from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import HANG, RunbookError, die, event  # noqa: E402
 from lib.remote import run_on  # noqa: E402
@@ -46,11 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
 def control_setup(args, hf):
     """Makes args the control's (run id, one-host hostfile); returns the dual run's variables and it."""
     dual = {"RUN": args.run, "HOSTFILE": args.hostfile, "CONTROL_HOST": args.control_host}
-    pick = next((h for h in hf.hosts if h.ssh == args.control_host), None) if args.control_host else hf.hosts[0]
-    pick = pick or Host(0, check_hostname(args.control_host, "CONTROL_HOST"), [])
+    ssh = check_hostname(args.control_host, "CONTROL_HOST") if args.control_host else hf.hosts[0].ssh
+    ips = next((h.ips for h in hf.hosts if h.ssh == ssh), [])
     args.run = f"{args.run}-control"
     path = paths.run_dir(args.run) / "hostfile.json"
-    atomic.write_json(path, Hostfile(str(path), [Host(0, pick.ssh, pick.ips)], hf.backend, hf.envs).to_json())
+    one = {"ssh": ssh, "ips": ips, "rdma": [None] if hf.backend.startswith("jaccl") else []}  # jaccl: 1 x 1
+    atomic.write_json(path, {"backend": hf.backend, "envs": hf.envs, "hosts": [one]})
     args.hostfile = paths.rel(path)
     return dual, load_hostfile(args.hostfile)
 
@@ -64,8 +65,10 @@ def recover(args, hf, run_rel: str, n: int):
     if args.fallback and n == args.restarts and 0 < len(lost) < len(hf.unique_ssh()):
         if lost := [h for h in lost if not run_on(h, ["true"], timeout=10).ok]:  # still silent after backoff
             path = paths.run_dir(args.run) / "hostfile-fallback.json"
-            left = [h for h in hf.hosts if h.ssh not in lost]
-            atomic.write_json(path, Hostfile(str(path), left, hf.backend, hf.envs).to_json())
+            keep = [h.rank for h in hf.hosts if h.ssh not in lost]  # and their columns of a jaccl rdma matrix
+            left = [{"ssh": h.ssh, "ips": h.ips, "rdma": [d for j, d in enumerate(h.rdma) if j in keep]}
+                    for h in hf.hosts if h.rank in keep]
+            atomic.write_json(path, {"backend": hf.backend, "envs": hf.envs, "hosts": left})
             args.hostfile, hf = paths.rel(path), load_hostfile(path)
             rec["fallback"] = {"lost": lost, "hosts": [h.ssh for h in hf.hosts], "hostfile": args.hostfile}
             man = paths.RUNS / args.run / "manifest.json"
@@ -84,11 +87,11 @@ def run_with_restarts(args, hf, run_rel: str, targs: list[str], total: int):
     attempts, world0 = [], hf.size
     while cat == HANG and len(attempts) < args.restarts:
         hf, rec, go = recover(args, hf, run_rel, len(attempts) + 1)
-        attempts.append({**rec, "after": cat, "why": why, "last_step_seen": res.steps[-1] if res.steps else None})
+        attempts.append({**rec, "after": cat, "why": why, "last_step_seen": (res.steps or [None])[-1]})
         event("restart", run=args.run, attempt=len(attempts), of=args.restarts, after=why, world_size=hf.size,
               relaunch=go, **({"lost": rec["fallback"]["lost"]} if "fallback" in rec else {}))
         if go:  # a checkpoint of another world size resumes with the same global batch
-            t = [*targs, "--resume"] if "--resume" not in targs else targs
+            t = [*targs, *["--resume"] * ("--resume" not in targs)]  # a copy: targs stays as launched
             t += ["--allow-world-change"] if hf.size != world0 else []
             res, ev, argv = launch.launch_and_collect(args, hf, run_rel, t, f"launch-{args.stage}.log", total)
             cat, why = launch.categorize(res, ev, hf.size)
@@ -106,7 +109,7 @@ def main() -> int:
     except (RunbookError, ValueError) as e:
         return die(e, 2)
     run_dir, run_rel = paths.run_dir(args.run), f"runs/{args.run}"
-    v = launch.variables(args, RESUME=args.resume and "1", RESTARTS=args.restarts,
+    v = launch.variables(args, args.stage, RESUME=args.resume and "1", RESTARTS=args.restarts,
                          FALLBACK=args.fallback and "1", **dual)
     launch.write_manifest(run_dir, args.stage, v, hf, {"world_size": hf.size, "stage": args.stage,
                                                       "iters": cfg["iters"], "control_of": dual.get("RUN")})

@@ -34,9 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def criteria(args, hf, run_rel: str, joined: dict, res2, save_every: int, iters: int) -> dict:
+def criteria(local: str, n: int, run_rel: str, joined: dict, res2, cfg: dict) -> dict:
     """The plan's success criteria, each (ok, detail) from what the ranks and the run folder say."""
-    local, n = launch.dataset_sha256(args.dataset), hf.size
+    save_every, iters = cfg["save_every"], cfg["iters"]
     sizes = sorted({j.get("world_size") for j in joined.values()})
     data = {r: (int(j.get("records") or 0), str(j.get("dataset_sha256"))) for r, j in sorted(joined.items())}
     checks = [(c.name, *ckpt.verify(c)) for c in ckpt.listing(paths.ROOT / run_rel / "checkpoints")]
@@ -66,8 +66,8 @@ def main() -> int:
                                "a checkpoint, then a resume", "smoke")
     except (RunbookError, ValueError) as e:
         return die(e, 2)
-    run_dir, run_rel, v = paths.run_dir(args.run), f"runs/{args.run}/smoke", launch.variables(args)
-    launch.write_manifest(run_dir, "smoke", v, hf, {"world_size": hf.size})
+    run_dir, run_rel, v = paths.run_dir(args.run), f"runs/{args.run}/smoke", launch.variables(args, "smoke")
+    man = launch.write_manifest(run_dir, "smoke", v, hf, {"world_size": hf.size})
     targs = launch.trainer_args(args, run_rel, args.config, iters=save_every)
     res, ev, argv = launch.launch_and_collect(args, hf, run_rel, targs, "launch-1.log")
     cat, why = launch.categorize(res, ev, hf.size)
@@ -78,7 +78,7 @@ def main() -> int:
         cat, why = launch.categorize(res2, ev2, hf.size)
     launch.write_reproduce(run_dir, "smoke", launch.make_cmd("smoke", v), [a for a in (argv, argv2) if a],
                            args.dataset)
-    crit = criteria(args, hf, run_rel, {**ev["joined"], **ev2["joined"]}, res2, save_every, iters)
+    crit = criteria(man["dataset_sha256"], hf.size, run_rel, {**ev["joined"], **ev2["joined"]}, res2, cfg)
     for name, (ok, detail) in crit.items():
         event("smoke-check", name=name, status="ok" if ok else "FAIL", detail=detail)
     summary = launch.summarize(res2 or res, cat, why, {

@@ -7,10 +7,10 @@ Usage:
 Example (`make status RUN=stage1 JSON=1`, e.g. from cron):
     python bin/status.py --run stage1 --remote-root "$PWD" --python "$PWD/.venv/bin/python" --json
 
-One ssh call to rank 0's host (BatchMode, 5 s) reads metrics, failure files and the latest checkpoint;
-per-rank steps and tok/s come from this Mac's launch log, the verdict from runs/<RUN>/<stage>.json.
-Exit 0 OK, 1 WARNING (a rank silent for 600 s), 2 CRITICAL (failed), 3 UNKNOWN (rank 0's host
-unreachable while running). See RUNBOOK.md#status.
+One ssh call to rank 0's host (BatchMode, 5 s) reads metrics, failure files and the latest checkpoint
+(this Mac's copy when it does not answer); per-rank steps and tok/s come from this Mac's launch log.
+Exit 0 OK, 1 WARNING (a rank silent 600 s), 2 CRITICAL (failed), 3 UNKNOWN (rank 0's host unreachable
+while running). See RUNBOOK.md#status.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lib import paths  # noqa: E402
 from lib.launch import read_json  # noqa: E402
 from lib.remote import run_on  # noqa: E402
 
-STATUS = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "UNKNOWN"}
+STATUS = ("OK", "WARNING", "CRITICAL", "UNKNOWN")
 SILENT_S = 600.0  # a running rank silent this long is a WARNING
 VERDICT_KEYS = ("ok", "category", "why", "final_step", "test_loss", "attempts", "fallback", "best_adapter")
 RANK_LINE = re.compile(r"^(\S+Z) .*?iter (\d+) rank (\d+) .*?tokens (\d+) step_s (\S+)")
@@ -60,10 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def probe(host: str, root: str, python: str, run_rel: str, local: bool | None = None) -> dict | None:
-    """PROBE's answer from host (None: unreachable or no answer within 5 s)."""
-    r = run_on(host, ["sh", "-c", 'cd "$1" && exec "$2" - "$3"', "sh", root, python, run_rel], 5, local,
-               input=PROBE)
+def probe(host: str, root: str, python: str, run_rel: str) -> dict | None:
+    """PROBE's answer from host, here for 127.0.0.1 (None: unreachable or no answer within 5 s)."""
+    r = run_on(host, ["sh", "-c", 'cd "$1" && exec "$2" - "$3"', "sh", root, python, run_rel], 5, input=PROBE)
     try:
         return json.loads(r.stdout) if r.ok else None
     except ValueError:
@@ -79,9 +78,9 @@ def ranks_from_log(log: Path, now: float) -> dict:
     out = {}
     for r, rows in sorted(seen.items()):
         tail, ago = rows[-20:], now - calendar.timegm(time.strptime(rows[-1][0], "%Y-%m-%dT%H:%M:%SZ"))
-        secs = sum(x[3] for x in tail)
-        out[r] = {"last_step": rows[-1][1], "since_s": round(ago, 1), "step_s": statistics.median(x[3] for x in tail),
-                  "tok_per_s": round(sum(x[2] for x in tail) / secs, 1) if secs else None}
+        secs, tokens = sum(x[3] for x in tail), sum(x[2] for x in tail)
+        out[r] = {"last_step": rows[-1][1], "since_s": round(ago, 1), "tok_per_s": round(tokens / secs, 1)
+                  if secs else None, "step_s": statistics.median(x[3] for x in tail)}
     return out
 
 
@@ -93,12 +92,11 @@ def gather(args) -> tuple[dict, int]:
     hosts = [h["ssh"] for h in (man.get("hostfile") or {}).get("hosts", [])]
     hosts = (man.get("fallback") or {}).get("hosts") or hosts  # after a fallback, rank 0 may be another host
     remote = probe(hosts[0], args.remote_root, args.python, run_rel) if hosts else None
-    # else this Mac's copy (complete once the stage has ended and its folder was fetched)
-    src = remote or probe("127.0.0.1", str(paths.ROOT), sys.executable, run_rel, local=True)
+    src = remote or probe("127.0.0.1", str(paths.ROOT), sys.executable, run_rel)  # complete once fetched
     train = [m for m in src["metrics"] if m.get("kind") == "train"]
     val = next((m for m in reversed(src["metrics"]) if m.get("kind") == "val"), None)
     ranks = ranks_from_log(run_dir / "logs" / f"launch-{stage}.log", time.time())
-    step, step_s = train[-1]["step"] if train else None, ranks.get("0", {}).get("step_s")
+    step, step_s = (train or [{}])[-1].get("step"), ranks.get("0", {}).get("step_s")
     verdict = {} if running else read_json(run_dir / f"{stage}.json")
     silent = [r for r, v in ranks.items() if v["since_s"] > SILENT_S]
     code, why = next((c, w) for bad, c, w in (  # the first row that holds
@@ -125,8 +123,9 @@ def main() -> int:
         print(json.dumps(st, sort_keys=True))
         return code
     eta = time.strftime("%H:%M:%S", time.gmtime(st["eta_s"])) if st["eta_s"] is not None else "-"
-    print(f"STATUS {st['status']} - {st['why']} | {st['stage']} step {st['step']}/{st['iters']} eta {eta} loss "
-          f"{st['train_loss']} trend {st['loss_trend']} val {st['last_val']} checkpoint {st['latest_checkpoint']}")
+    print(f"STATUS {st['status']} - {st['why']} | {st['stage']} step {st['step']}/{st['iters']} eta {eta} "
+          f"loss {st['train_loss']} trend {st['loss_trend']} val {st['last_val']} "
+          f"checkpoint {st['latest_checkpoint']}")
     for r, v in st["ranks"].items():
         print(f"rank {r}: step {v['last_step']}, {v['since_s']:.0f} s ago, {v['tok_per_s']} tok/s")
     for n, f in st["failures"].items():

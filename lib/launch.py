@@ -3,8 +3,7 @@
 Used by bin/smoke.py and bin/run.py; compare, plan, calibrate and status use its provenance helpers.
 The launch is mlx.launch with the hostfile (an argument list, never a shell string), or the trainer
 itself for one host (mlx 0.32.4 hands a lone rank an empty MLX_HOSTFILE). A new `iter N` step or a
-`progress` line is progress; none for the watchdog window stops every rank as "hang / link
-partition". Then every host is swept for leftover rank processes and the run folder is fetched.
+`progress` line is progress; none for the watchdog window stops every rank ("hang / link partition").
 
     res, ev, argv = launch.launch_and_collect(args, hf, "runs/r1", targs, "launch-train.log")
     category, why = launch.categorize(res, ev, hf.size)
@@ -29,7 +28,7 @@ from pathlib import Path
 
 from lib import atomic, jsonl, paths
 from lib.config import fallback_ladder, load_config, set_flag
-from lib.hashing import digest_of, sha256_file, tree_hashes
+from lib.hashing import digest_of, iter_files, sha256_file, tree_hashes
 from lib.hostfile import Hostfile, is_local
 from lib.hostfile import load as load_hostfile
 from lib.log import CATEGORIES, HANG, OOM_RE, OTHER_FAILURES, PARITY, anchor_of, event
@@ -39,8 +38,7 @@ STEP_RE = re.compile(r"(?:^|\s)iter (\d+)\b")
 PROGRESS_RE = re.compile(r"(?:^|\s)(?:progress|rank-joined) rank \d+ ")
 DONE_RE = re.compile(r"(?:^|\s)done step \d+")
 RANK_STEP_RE = re.compile(r"(?:^|\s)iter \d+ rank \d+ ")  # every step, every rank: logs only
-REPORT_RE = re.compile(r"iter (?P<step>\d+) train_loss (?P<loss>\S+) .*tok/s (?P<tps>\S+) peak_mem_gb (?P<mem>\S+)")
-DEFAULT_WATCHDOG_S = 300.0
+REPORT_RE = re.compile(r"iter (\d+) train_loss (\S+) .*tok/s (\S+) peak_mem_gb (\S+)")  # rank 0's report
 STAGE_ORDER = ("export", "sync", "smoke", "train", "control", "compare")
 NOW = "%Y-%m-%dT%H:%M:%S%z"
 
@@ -59,20 +57,18 @@ def git_info() -> dict:
 
 
 def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    with contextlib.suppress(OSError, ValueError):
+        if isinstance(data := json.loads(path.read_text()), dict):
+            return data
+    return {}
 
 
 def model_hash(model: str) -> str:
-    """sha256 over a model folder's file hashes (cached by path, size, mtime), else "hub:<id>"."""
-    full = Path(model) if Path(model).is_absolute() else paths.ROOT / model
-    if not full.is_dir():
+    """sha256 over the files sync ships of a model folder (cached by path, size, mtime), else "hub:<id>"."""
+    if not (full := paths.ROOT / model).is_dir():  # an absolute MODEL stays itself
         return f"hub:{model}"
-    files = sorted(f.relative_to(full).as_posix() for f in full.rglob("*") if f.is_file() and not f.name.startswith("."))
-    key = digest_of({f: f"{(full / f).stat().st_size}:{(full / f).stat().st_mtime_ns}" for f in files})
+    files = iter_files(full, ["."])
+    key = digest_of({f: f"{(st := (full / f).stat()).st_size}:{st.st_mtime_ns}" for f in files})
     known = read_json(cache := paths.ROOT / ".stamps" / "model-hashes.json")
     if known.get(str(full), {}).get("key") != key:
         known[str(full)] = {"key": key, "sha256": digest_of(tree_hashes(full, files))}
@@ -80,22 +76,16 @@ def model_hash(model: str) -> str:
     return known[str(full)]["sha256"]
 
 
-def dataset_sha256(dataset: str) -> str:
-    m = paths.DATASETS / dataset / "manifest.json"
-    return read_json(m).get("dataset_sha256", "unknown") if m.is_file() else "missing"
-
-
 def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, extra: dict) -> dict:
-    """runs/<RUN>/manifest.json: what this run is made of, written before any rank starts."""
+    """runs/<RUN>/manifest.json: what this run is made of (reproduce.sh names the dataset's corpus and
+    export settings), written before any rank starts."""
     stages = read_json(run_dir / "manifest.json").get("stages", {})
-    stages[stage] = {"started": time.strftime(NOW)}
-    ds, model = variables["DATASET"], variables["MODEL"]
-    dman = read_json(paths.DATASETS / ds / "manifest.json")
-    man = {"run": variables["RUN"], "git": git_info(), "lock_sha256": sha256_file(paths.ROOT / "requirements.lock"),
-           "hostfile": hf.to_json(), "hostfile_path": variables["HOSTFILE"], "dataset": ds, "model": model,
-           "dataset_sha256": dataset_sha256(ds), "model_sha256": model_hash(model), "variables": variables,
-           "corpus": dman.get("sources"), "corpus_sha256": dman.get("corpus_sha256"),
-           "export_settings": dman.get("settings"), "stages": stages, **extra}
+    stages[stage], v = {"started": time.strftime(NOW)}, variables
+    dsha = read_json(paths.DATASETS / v["DATASET"] / "manifest.json").get("dataset_sha256", "missing")
+    man = {"run": v["RUN"], "git": git_info(), "lock_sha256": sha256_file(paths.ROOT / "requirements.lock"),
+           "hostfile": hf.to_json(), "hostfile_path": v["HOSTFILE"], "variables": v, "dataset": v["DATASET"],
+           "dataset_sha256": dsha, "model": v["MODEL"], "model_sha256": model_hash(v["MODEL"]),
+           "stages": stages, **extra}
     atomic.write_json(run_dir / "manifest.json", man)
     return man
 
@@ -111,21 +101,22 @@ def export_section(dataset: str) -> list[str]:
     """reproduce.sh's first section: the `make export` of datasets/<dataset>, from its manifest."""
     man = read_json(paths.DATASETS / dataset / "manifest.json")
     files = [f for f in man.get("sources") or [] if isinstance(f, dict) and isinstance(f.get("path"), str)]
-    head = ["# --- stage: export ---", f"# The dataset {dataset} this run used (datasets/{dataset}/manifest.json):"]
+    head = ["# --- stage: export ---", f"# The dataset {dataset} this run used (its manifest.json):"]
     if not files:
-        return head + ["# corpus not recorded in its manifest: re-export it with", f"# make export CORPUS=... DATASET={dataset}"]
-    shown = {f["path"]: f["path"].replace("\n", "\\n").replace("\r", "\\r") for f in files}  # a comment ends at \n
-    head += [f"# corpus file {shown[f['path']]} sha256 {f.get('sha256', 'not recorded')}" for f in files]
-    head += [f"# corpus_sha256 {man.get('corpus_sha256', 'not recorded')}; "
-             f"dataset_sha256 {man.get('dataset_sha256', 'not recorded')}"]
+        return head + ["# corpus not recorded in its manifest: re-export it with",
+                       f"# make export CORPUS=... DATASET={dataset}"]
+    for f in files:  # escaped: a comment ends at a newline
+        shown = f["path"].replace("\n", "\\n").replace("\r", "\\r")
+        head.append(f"# corpus file {shown} sha256 {f.get('sha256', 'not recorded')}")
+    head.append(f"# corpus_sha256 {man.get('corpus_sha256', 'not recorded')}; "
+                f"dataset_sha256 {man.get('dataset_sha256', 'not recorded')}")
     s = man.get("settings") or {}
-    flags = [f"--ratios={','.join(str(s['ratios'][k]) for k in ('train', 'valid', 'test'))}"] if "ratios" in s else []
-    flags += [f"--field={k}={v}" for k, v in (s.get("fields") or {}).items()]
-    flags += [f"--role={k}={v}" for k, v in (s.get("roles") or {}).items()]
-    flags += [f"--{k.replace('_', '-')}={s[k]}" for k in ("max_reject_ratio", "max_chars", "text_system_prompt",
-                                                          "text_user_prompt") if k in s]
-    return head + [shlex.join(["make", "export", "CORPUS=" + " ".join(f["path"] for f in files), f"DATASET={dataset}",
-                               "EXPORT_ARGS=" + shlex.join(flags)])]
+    flags = [f"--ratios={r['train']},{r['valid']},{r['test']}"] if (r := s.get("ratios")) else []
+    flags += [f"--{o}={k}={v}" for o in ("field", "role") for k, v in (s.get(o + "s") or {}).items()]
+    flags += [f"--{k.replace('_', '-')}={s[k]}" for k in ("max_reject_ratio", "max_chars",
+                                                          "text_system_prompt", "text_user_prompt") if k in s]
+    return head + [shlex.join(["make", "export", "CORPUS=" + " ".join(f["path"] for f in files),
+                               f"DATASET={dataset}", "EXPORT_ARGS=" + shlex.join(flags)])]
 
 
 def write_reproduce(run_dir: Path, stage: str, make_cmd: list[str], launch_cmds: list[list[str]],
@@ -134,15 +125,15 @@ def write_reproduce(run_dir: Path, stage: str, make_cmd: list[str], launch_cmds:
     path = run_dir / "reproduce.sh"
     old = path.read_text().split("\n# --- stage: ")[1:] if path.is_file() else []
     sections = {b.split(" ", 1)[0].strip(): "# --- stage: " + b.rstrip("\n") for b in old}
-    sections[stage] = "\n".join([f"# --- stage: {stage} ---", "# The make invocation (re-runs the stage with every variable):",
-                                 shlex.join(make_cmd), "# What it ran underneath (from the repo root on this orchestrator):"]
-                                + ["# " + shlex.join(c) for c in launch_cmds])
+    sections[stage] = "\n".join([f"# --- stage: {stage} ---", "# The make line (re-runs it, every variable):",
+                                 shlex.join(make_cmd), "# What it ran (from the repo root here):",
+                                 *("# " + shlex.join(c) for c in launch_cmds)])
     if dataset := dataset or read_json(run_dir / "manifest.json").get("dataset"):
         sections["export"] = "\n".join(export_section(dataset))
-    keys = sorted(sections, key=lambda k: (STAGE_ORDER.index(k) if k in STAGE_ORDER else len(STAGE_ORDER), k))
-    atomic.write_text(path, "\n".join(["#!/usr/bin/env bash", "# Reproduce this run: copy a stage's make line, or run "
-                                       "this file from the repo root.", "set -euo pipefail", 'cd "$(dirname "$0")/../.."'])
-                      + "\n\n" + "\n\n".join(sections[k] for k in keys) + "\n")
+    keys = sorted(sections, key=lambda k: ((*STAGE_ORDER, k).index(k), k))
+    atomic.write_text(path, "#!/usr/bin/env bash\n# Reproduce this run: copy a stage's make line, or run "
+                      'this file from the repo root.\nset -euo pipefail\ncd "$(dirname "$0")/../.."\n\n'
+                      + "\n\n".join(sections[k] for k in keys) + "\n")
     path.chmod(0o755)
 
 
@@ -164,16 +155,15 @@ def launch_argv(hostfile_path: str, hf: Hostfile, python: str, remote_root: str,
     if hf.size == 1:
         cmd = ["sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", remote_root, python, script, *trainer_args]
         return cmd if is_local(hf.hosts[0].ssh) else ssh_argv(hf.hosts[0].ssh, cmd)
-    argv = [str(Path(sys.executable).with_name("mlx.launch")), "--hostfile", hostfile_path, "--python", python,
-            "--cwd", remote_root]
+    argv = [str(Path(sys.executable).with_name("mlx.launch")), "--hostfile", hostfile_path,
+            "--python", python, "--cwd", remote_root]
     argv += ["--backend", hf.backend] if hf.backend else []
     argv += ["--starting-port", str(port)] if port else []
     return argv + ["--", script, *trainer_args]
 
 
 class Watch:
-    """Tees the launch's output to the log (timestamped) and the terminal (rank 0's report as one
-    `step` line with ETA, not the per-rank lines); a new step or a progress line is progress."""
+    """Tees the launch to the log (timestamped) and the terminal (a `step` line per report, not per rank)."""
 
     def __init__(self, res: LaunchResult, total: int | None = None):
         self.res, self.lock, self.total = res, threading.Lock(), total
@@ -202,48 +192,16 @@ class Watch:
                 return None
             if not (r := REPORT_RE.search(text)):
                 return text.rstrip("\n")
-            left = (self.total - int(r["step"])) * statistics.median(self.res.step_times or [0.0]) if self.total else None
-            eta = time.strftime('%H:%M:%S', time.gmtime(left)) if left is not None else "?"
-            return (f"step {r['step']}/{self.total or '?'} loss {r['loss']} tok/s {float(r['tps']):.0f} "
-                    f"eta {eta} peak_mem_gb {r['mem']}")
-
-
-def run_watched(argv: list[str], log_path: Path, window_s: float | None, total: int | None = None):
-    """Run the launch, tee it, stop it after window_s (None: max(10 x median step, 300)) without progress."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    watch = Watch(res := LaunchResult(returncode=-1, wall_s=0), total)
-    t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    reader = threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)
-    reader.start()
-    while proc.poll() is None:
-        time.sleep(0.2)
-        with watch.lock:
-            idle = time.monotonic() - watch.last
-            window = window_s or max(10 * statistics.median(res.step_times or [0]), DEFAULT_WATCHDOG_S)
-        if idle > window:
-            res.watchdog_fired = True
-            print(f"watchdog: no progress for {idle:.0f} s (window {window:.0f} s); stopping every rank", flush=True)
-            stop_group(proc)
-            break
-    proc.wait()
-    reader.join(timeout=10)
-    res.returncode, res.wall_s, res.last_progress_s = proc.returncode, time.monotonic() - t0, watch.last - t0
-    return res
-
-
-def stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM the launcher's process group, then SIGKILL what is left after `grace`."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):  # gone: SIGKILL finds none either
-            os.killpg(proc.pid, sig)
-            return proc.wait(timeout=grace) and None
+            left = ((self.total or 0) - int(r[1])) * statistics.median(self.res.step_times or [0])
+            eta = time.strftime("%H:%M:%S", time.gmtime(left)) if self.total else "?"
+            return (f"step {r[1]}/{self.total or '?'} loss {r[2]} tok/s {float(r[3]):.0f} eta {eta} "
+                    f"peak_mem_gb {r[4]}")
 
 
 def sweep(hf: Hostfile, run_rel: str) -> dict[str, str]:
     """Kill any rank process of this run left on any host (SIGCONT first so a frozen one can die)."""
-    argv = ["sh", "-c", 'pkill -CONT -f -- "$1"; pkill -KILL -f -- "$1" && echo killed || true', "sh", trainer_pattern(run_rel)]
+    argv = ["sh", "-c", 'pkill -CONT -f -- "$1"; pkill -KILL -f -- "$1" && echo killed || true', "sh",
+            trainer_pattern(run_rel)]
     with ThreadPoolExecutor(len(hf.unique_ssh())) as pool:
         rs = list(pool.map(lambda h: run_on(h, argv, timeout=15), hf.unique_ssh()))
     return {r.host: "killed leftovers" if "killed" in r.stdout else "clean" if r.ok else
@@ -253,29 +211,16 @@ def sweep(hf: Hostfile, run_rel: str) -> dict[str, str]:
 def fetch(hf: Hostfile, run_rel: str, remote_root: str) -> dict[str, str]:
     """Bring run_rel home: everything from rank 0's host, the logs from the others."""
     out, local_dir = {}, paths.ROOT / run_rel
-    local_dir.mkdir(parents=True, exist_ok=True)
-    if Path(remote_root) == paths.ROOT and all(is_local(h.ssh) for h in hf.hosts):
-        return {h: "local" for h in hf.unique_ssh()}
-    for i, host in enumerate(hf.unique_ssh()):
-        src = f"{remote_root}/{run_rel}/" if is_local(host) else f"{host}:{remote_root}/{run_rel}/"
+    for i, host in enumerate(hf.unique_ssh()):  # 127.0.0.1 with REMOTE_ROOT here: a no-op copy
+        src = ("" if is_local(host) else f"{host}:") + f"{remote_root}/{run_rel}/"
         only_logs = ["--include=logs/", "--include=logs/**", "--exclude=*"] if i else []
-        p = subprocess.run(["rsync", "-a", "-e", rsh(), *only_logs, src, f"{local_dir}/"], capture_output=True,
-                           text=True, timeout=600, stdin=subprocess.DEVNULL)
+        p = subprocess.run(["rsync", "-a", "-e", rsh(), *only_logs, src, f"{local_dir}/"],
+                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
         out[host] = "ok" if p.returncode == 0 else f"rsync exit {p.returncode}: {p.stderr.strip()[:200]}"
     return out
 
 
 # ---- what happened -------------------------------------------------------------------------
-def rank_events(run_dir: Path, launch_id: str) -> dict:
-    """logs/rank-R.{joined,failure}.json of this launch_id (older ones are stale)."""
-    out = {"joined": {}, "failures": {}}
-    for kind, key in (("joined", "joined"), ("failure", "failures")):
-        for f in sorted((run_dir / "logs").glob(f"rank-*.{kind}.json")):
-            if (d := read_json(f)).get("launch_id") == launch_id:
-                out[key][int(f.name.split("-")[1].split(".")[0])] = d
-    return out
-
-
 def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str]:
     """(category, why) of a failed launch, (None, "") of a good one: every rank joined, no failure file
     and the trainer's `done` line (mlx.launch 0.32.4 can exit 0 when a rank never started)."""
@@ -288,9 +233,9 @@ def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str
         missing = sorted(set(range(world)) - set(ev["joined"]))
         return PARITY, f"ranks {missing} never initialized (launcher exit {res.returncode})"
     if ev["failures"]:
-        r, f = sorted(ev["failures"].items())[0]
-        return OTHER_FAILURES.get(f.get("kind"), OTHER_FAILURES["error"])[0], f"rank {r}: {f.get('message', '')}"
-    if ev.get("oom_line"):  # killed by the allocator (a segfault on CPU, an abort on Metal) before it could say so
+        r, f = min(ev["failures"].items())
+        return OTHER_FAILURES.get(f.get("kind"), OTHER_FAILURES["error"])[0], f"rank {r}: {f.get('message')}"
+    if ev.get("oom_line"):  # the allocator killed it (segfault on CPU, abort on Metal) before it could say so
         return OTHER_FAILURES["oom"][0], f"a rank died out of memory: {ev['oom_line']}"
     if res.returncode != 0 or not res.done:
         return HANG, (f"a rank died mid-run (launcher exit {res.returncode}, trainer "
@@ -300,27 +245,23 @@ def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str
 
 def oom_line(log_path: Path, offset: int = 0) -> str | None:
     """The first out-of-memory message after `offset` in the launch log, if any."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(offset)
-            return next((line[:300] for raw in f if OOM_RE.search(line := raw.decode(errors="replace").strip())), None)
-    except OSError:
-        return None
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        return next((line[:300] for raw in f if OOM_RE.search(line := raw.decode(errors="replace").strip())),
+                    None)
 
 
 def oom_ladder(cfg: dict, argv: list[str], world: int) -> list[str]:
     """lib.config's fallback ladder as launch commands to paste, each in its own run folder."""
-    cut = argv.index("bin/train.py") + 1 if "bin/train.py" in argv else len(argv)
-    lines = []
+    cut, lines = argv.index("bin/train.py") + 1, []  # the trainer's flags always include --run-dir
     for n, (what, rung) in enumerate(fallback_ladder(cfg, argv[cut:], world), 1):
-        if "--run-dir" in rung:
-            rung = set_flag(rung, "--run-dir", f"{rung[rung.index('--run-dir') + 1]}-oom{n}")
+        rung = set_flag(rung, "--run-dir", f"{rung[rung.index('--run-dir') + 1]}-oom{n}")
         lines += [f"# rung {n}: {what}", shlex.join(argv[:cut] + rung)]
     return lines
 
 
 def print_category(category: str, why: str) -> None:
-    print(f"FAILED category: {category}: {why}; see RUNBOOK.md#{anchor_of(category)}", file=sys.stderr, flush=True)
+    print(f"FAILED category: {category}: {why}; see RUNBOOK.md#{anchor_of(category)}", file=sys.stderr)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -331,26 +272,26 @@ def metrics(run_dir: Path) -> list[dict]:
 def add_common_args(p) -> None:
     for flag in ("--run", "--hostfile", "--config", "--model", "--dataset", "--remote-root", "--python"):
         p.add_argument(flag, required=True)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--watchdog", type=float, default=None, help="seconds without progress before every rank "
-                   "is stopped (default: the config's watchdog_s, else max(10 x median step time, 300))")
-    p.add_argument("--port", type=int, default=None, help="first ring port (mlx.launch --starting-port)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--watchdog", type=float, help="seconds without progress before every rank is stopped "
+                   "(default: the config's watchdog_s, else max(10 x median step, 300))")
+    p.add_argument("--port", type=int, help="first ring port (mlx.launch --starting-port)")
 
 
 def load_inputs(args):
     """(hostfile, config) of a launching stage, checked; the config's watchdog_s unless --watchdog."""
     paths.check_run_id(args.run)
     hf, cfg = load_hostfile(args.hostfile), load_config(args.config)
-    if args.watchdog is None and cfg.get("watchdog_s"):
-        args.watchdog = float(cfg["watchdog_s"])
+    args.watchdog = cfg.get("watchdog_s") if args.watchdog is None else args.watchdog
     return hf, cfg
 
 
-def variables(args, **extra) -> dict:
-    """The make variables of this invocation, for the manifest and reproduce.sh."""
-    v = {"RUN": args.run, "HOSTFILE": args.hostfile, "CONFIG": args.config, "MODEL": args.model,
+def variables(args, stage: str, **extra) -> dict:
+    """The make variables of `make <stage>` that re-runs this invocation (smoke reads SMOKE_CONFIG)."""
+    config = "SMOKE_CONFIG" if stage == "smoke" else "CONFIG"
+    v = {"RUN": args.run, "HOSTFILE": args.hostfile, config: args.config, "MODEL": args.model,
          "DATASET": args.dataset, "REMOTE_ROOT": args.remote_root, "PYTHON": args.python, "SEED": args.seed,
-         "WATCHDOG": None if args.watchdog is None else f"{args.watchdog:g}", "PORT": args.port, **extra}
+         "WATCHDOG": args.watchdog and f"{args.watchdog:g}", "PORT": args.port, **extra}
     return {k: str(val) for k, val in v.items() if val not in (None, "", False)}
 
 
@@ -358,39 +299,62 @@ def make_cmd(target: str, v: dict) -> list[str]:
     return ["make", target] + [f"{k}={val}" for k, val in v.items()]
 
 
-def trainer_args(args, run_rel: str, config: str, iters: int | None = None, resume: bool = False) -> list[str]:
-    a = ["--config", config, "--model", args.model, "--data", f"datasets/{args.dataset}", "--run-dir", run_rel]
-    a += ["--seed", str(args.seed)] if args.seed is not None else []
+def trainer_args(args, run_rel: str, config: str, iters: int | None = None, resume: bool = False):
+    a = ["--config", config, "--model", args.model, "--data", f"datasets/{args.dataset}"]
+    a += ["--run-dir", run_rel] + (["--seed", str(args.seed)] if args.seed is not None else [])
     a += ["--iters", str(iters)] if iters is not None else []
     return a + (["--resume"] if resume else [])
 
 
 def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str,
                        total: int | None = None) -> tuple[LaunchResult, dict, list[str]]:
-    """One launch: run it watched, sweep the hosts, fetch the artifacts, read the ranks' events."""
+    """One launch teed to logs/<log_name>, stopped after the watchdog window (else max(10 x median step,
+    300 s)) without progress; then the hosts swept, the run folder fetched, its rank events read."""
     launch_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log_name.split('.')[0]}"
     argv = launch_argv(args.hostfile, hf, args.python, args.remote_root,
                        [*targs, "--expect-world-size", str(hf.size), "--launch-id", launch_id], args.port)
     event("launch", run=run_rel, world_size=hf.size, cmd=shlex.join(argv))
-    log_path = paths.ROOT / run_rel / "logs" / log_name
+    (log_path := paths.ROOT / run_rel / "logs" / log_name).parent.mkdir(parents=True, exist_ok=True)
     offset = log_path.stat().st_size if log_path.is_file() else 0
-    res = run_watched(argv, log_path, args.watchdog, total=total)
+    watch, t0 = Watch(res := LaunchResult(returncode=-1, wall_s=0), total), time.monotonic()
+    proc = subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    reader = threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        time.sleep(0.2)
+        with watch.lock:
+            idle = time.monotonic() - watch.last
+            window = args.watchdog or max(10 * statistics.median(res.step_times or [0]), 300.0)
+        if idle > window:
+            res.watchdog_fired = True
+            print(f"watchdog: no progress for {idle:.0f} s (window {window:.0f} s); stopping every rank",
+                  flush=True)
+            for sig in (signal.SIGTERM, signal.SIGKILL):  # the launcher's process group; SIGKILL after 5 s
+                with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=5)
+                    break
+            break
+    proc.wait()
+    reader.join(timeout=10)
+    res.returncode, res.last_progress_s, res.wall_s = proc.returncode, watch.last - t0, time.monotonic() - t0
     swept, fetched = sweep(hf, run_rel), fetch(hf, run_rel, args.remote_root)
-    ev = rank_events(paths.ROOT / run_rel, launch_id)
-    ev.update(oom_line=oom_line(log_path, offset), swept=swept, fetched=fetched)
-    return res, ev, argv
+    ev = {key: {int(f.name.split(".")[0][5:]): d for f in sorted(log_path.parent.glob(f"rank-*.{kind}.json"))
+                if (d := read_json(f)).get("launch_id") == launch_id}  # an earlier launch's are stale
+          for key, kind in (("joined", "joined"), ("failures", "failure"))}
+    return res, {**ev, "oom_line": oom_line(log_path, offset), "swept": swept, "fetched": fetched}, argv
 
 
 def summarize(res: LaunchResult, category: str | None, why: str, extra: dict) -> dict:
-    return {"ok": category is None, "returncode": res.returncode, "category": category,
-            "anchor": anchor_of(category) if category else None, "why": why, "wall_s": round(res.wall_s, 3),
-            "watchdog_fired": res.watchdog_fired, "last_step_seen": res.steps[-1] if res.steps else None, **extra}
+    return {"ok": category is None, "returncode": res.returncode, "category": category, "why": why,
+            "anchor": anchor_of(category) if category else None, "wall_s": round(res.wall_s, 3),
+            "watchdog_fired": res.watchdog_fired, "last_step_seen": (res.steps or [None])[-1], **extra}
 
 
 def conclude(run_dir: Path, stage: str, summary: dict, cfg: dict, argv: list[str], world: int) -> int:
-    """The end of a launching stage: <stage>.json, the manifest, the trainer's warnings, the category
-    and (out of memory) the fallback ladder on stderr, the PASS/FAIL line. Returns the exit code."""
-    summary["warnings"] = [m for m in metrics(run_dir) if isinstance(m, dict) and m.get("kind") == "warning"]
+    """The stage's end: <stage>.json, the manifest, warnings, the category (+ OOM ladder), PASS/FAIL."""
+    summary["warnings"] = [m for m in metrics(run_dir) if m.get("kind") == "warning"]
     for w in summary["warnings"]:  # e.g. no-improvement: shown once more just above PASS/FAIL
         event("warning", stage=stage, what=w.get("what"), message=json.dumps(w.get("message")))
     atomic.write_json(run_dir / f"{stage}.json", summary)
@@ -398,9 +362,10 @@ def conclude(run_dir: Path, stage: str, summary: dict, cfg: dict, argv: list[str
     if summary["category"]:
         print_category(summary["category"], summary["why"])
     if summary["category"] == OTHER_FAILURES["oom"][0]:
-        print("fallback ladder (paste one; each keeps the global batch):", file=sys.stderr)
-        print("\n".join(oom_ladder(cfg, argv, world)), file=sys.stderr)
-    shown = {"test_loss": summary.get("test_loss"), "wall_s": summary["total_wall_s"], "best_adapter": summary.get("best_adapter")}
-    event(stage, run=summary.get("run"), status="PASS" if summary["ok"] else "FAIL", **{
-        k: v for k, v in shown.items() if v is not None or k == "test_loss" and k in summary})
+        print("fallback ladder (paste one; each keeps the global batch):", *oom_ladder(cfg, argv, world),
+              sep="\n", file=sys.stderr)
+    shown = {"test_loss": summary["test_loss"]} if "test_loss" in summary else {}  # train/control: even None
+    best = {"best_adapter": summary["best_adapter"]} if summary.get("best_adapter") else {}
+    event(stage, run=summary.get("run"), status="PASS" if summary["ok"] else "FAIL", **shown,
+          wall_s=summary["total_wall_s"], **best)
     return 0 if summary["ok"] else 1

@@ -189,3 +189,70 @@ def test_conclude_puts_the_trainers_no_improvement_warning_in_the_summary(tmp_pa
     assert json.loads((tmp_path / "train.json").read_text())["warnings"] == [warn]
     out = capsys.readouterr().out
     assert "warning stage train what no-improvement" in out and "not below step 0" in out
+
+
+def test_each_stages_make_line_sets_the_config_its_recipe_reads():
+    """reproduce.sh's `make smoke` line must set SMOKE_CONFIG (what the smoke recipe passes as
+    --config), train's and control's CONFIG: else the copied line runs another config."""
+    from argparse import Namespace
+
+    from conftest import ROOT
+
+    text = (ROOT / "Makefile").read_text()
+    args = Namespace(run="r", hostfile="h.json", config="runs/c.yaml", model="m", dataset="d", remote_root="/r",
+                     python="py", seed=None, watchdog=None, port=None)
+    for stage, script in (("smoke", r"bin/smoke\.py"), ("train", r"bin/run\.py --stage train"),
+                          ("control", r"bin/run\.py --stage control")):
+        var = re.search(script + r" --config \$\((\w+)\)", text)[1]
+        v = launch.variables(args, stage)
+        assert v[var] == "runs/c.yaml" and list(v.values()).count("runs/c.yaml") == 1, (stage, var, v)
+
+
+def load_run_py():
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("run_stage", ROOT / "bin" / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+JACCL = {"backend": "jaccl", "envs": ["MLX_METAL_FAST_SYNCH=1"], "hosts": [
+    {"ssh": "a", "ips": ["10.0.0.1"], "rdma": [None, "rdma_en3", "rdma_en4"]},
+    {"ssh": "b", "ips": ["10.0.0.2"], "rdma": ["rdma_en3", None, "rdma_en5"]},
+    {"ssh": "c", "ips": ["10.0.0.3"], "rdma": ["rdma_en4", "rdma_en5", None]}]}
+
+
+def test_the_controls_one_host_hostfile_parses_for_every_backend(tmp_path, monkeypatch):
+    """A jaccl hostfile's control gets a 1 x 1 rdma matrix ([null]); ring's keeps none."""
+    from argparse import Namespace
+
+    mod = load_run_py()
+    monkeypatch.setattr(mod.paths, "RUNS", tmp_path)
+    ring = {"backend": "ring", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]}
+    for data, host, want in ((JACCL, "", ("a", ["10.0.0.1"], [None])), (JACCL, "b", ("b", ["10.0.0.2"], [None])),
+                             (JACCL, "mac9", ("mac9", [], [None])), (ring, "", ("a", ["10.0.0.1"], []))):
+        args = Namespace(run="r", hostfile="h.json", control_host=host)
+        dual, one = mod.control_setup(args, parse(data, "h.json"))
+        assert dual == {"RUN": "r", "HOSTFILE": "h.json", "CONTROL_HOST": host} and args.run == "r-control"
+        assert one.size == 1 and one.backend == data["backend"] and one.envs == data.get("envs", [])
+        assert (one.hosts[0].ssh, one.hosts[0].ips, one.hosts[0].rdma) == want
+        assert args.hostfile == str(tmp_path / "r-control" / "hostfile.json")
+
+
+def test_a_fallback_drops_the_lost_hosts_rdma_columns_too(tmp_path, monkeypatch):
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    mod = load_run_py()
+    monkeypatch.setattr(mod.paths, "RUNS", tmp_path)
+    monkeypatch.setattr(mod.launch, "sweep", lambda hf, run_rel: {"a": "clean", "b": "unreachable: x", "c": "clean"})
+    monkeypatch.setattr(mod, "run_on", lambda host, argv, timeout: SimpleNamespace(ok=False))
+    monkeypatch.setattr(mod.time, "sleep", lambda s: None)
+    monkeypatch.setattr(mod.subprocess, "run", lambda argv, **kw: SimpleNamespace(returncode=0))
+    args = Namespace(run="r", hostfile="h.json", fallback=True, restarts=1, python="py", remote_root="/r")
+    hf, rec, go = mod.recover(args, parse(JACCL, "h.json"), "runs/r", 1)
+    assert go and rec["fallback"]["lost"] == ["b"] and [h.ssh for h in hf.hosts] == ["a", "c"]
+    assert [h.rdma for h in hf.hosts] == [[None, "rdma_en4"], ["rdma_en4", None]] and hf.backend == "jaccl"
