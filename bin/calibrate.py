@@ -9,11 +9,10 @@ Example (what `make calibrate` runs after sync and check-parity):
     python bin/calibrate.py --hostfile hostfile.json --model models/tiny-gemma4 \
         --config configs/stage1.yaml --remote-root "$PWD" --python "$PWD/.venv/bin/python"
 
-compute: one host at a time over ssh, bin/train.py's compiled step (the config's `loss`, so the memory
-and the recommended batch are that loss's) at batch 1, 2, 4, ... and the config's sizes, until memory
-(MEM_FRACTION of the ceiling) or --budget-s says stop. link: every rank under mlx.launch: that step
-at the per-rank batch, the gradient all-reduce, all_sum --min-bytes..--max-bytes (busbw).
-expected_speedup = control step / dual step (see speedup_model).
+compute: one host at a time over ssh, bin/train.py's step with the config's `loss` at batch 1, 2, 4, ...
+and the config's sizes until memory (MEM_FRACTION of the ceiling) or --budget-s says stop. link: every
+rank under mlx.launch: that step at the per-rank batch, the gradient all-reduce, all_sum --min-bytes..
+--max-bytes (busbw). expected_speedup = control step / dual step (see speedup_model).
 Writes runs/calibration-<UTC>.json. Exit 0 written, 1 a phase failed (nothing written), 2 bad input.
 """
 
@@ -94,9 +93,8 @@ def measure_batch(st, b: int, steps: int) -> dict:
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"the loss is {loss.item()} at batch {b}")
     step_s, toks = statistics.median(times[1:]), int(toks.item())
-    return {"batch": b, "tokens_per_step": toks, "step_s": round(step_s, 6),
-            "compile_s": round(times[0], 4), "tok_per_s": round(toks / step_s, 3),
-            "peak_mem_bytes": int(mx.get_peak_memory())}
+    return {"batch": b, "tokens_per_step": toks, "step_s": round(step_s, 6), "compile_s": round(times[0], 4),
+            "tok_per_s": round(toks / step_s, 3), "peak_mem_bytes": int(mx.get_peak_memory())}
 
 
 def compute_sweep(st, spec: dict) -> dict:
@@ -151,16 +149,6 @@ def compute_probe(spec: dict) -> dict:
 
 
 # ---- host side: every rank at once under mlx.launch -------------------------------------------
-def keep_freed_memory() -> bool:
-    """glibc keeps freed memory as Metal's buffer cache does (else all_sum's times are page faults)."""
-    import ctypes
-
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL("libc.so.6")
-    return libc.mallopt(-4, 0) == 1 and libc.mallopt(-1, 2**31 - 1) == 1  # M_MMAP_MAX, M_TRIM_THRESHOLD
-
-
 def timed(mx, reps: int, fn, *args, **kw) -> list[float]:
     """[mean, best] seconds of fn after a warm-up call, each the slowest rank's (a collective's time)."""
     each = []
@@ -168,26 +156,30 @@ def timed(mx, reps: int, fn, *args, **kw) -> list[float]:
         t0 = time.perf_counter()
         mx.eval(fn(*args, **kw))
         each.append(time.perf_counter() - t0)
-    times = mx.array([statistics.mean(each[1:]), min(each[1:])])
-    return mx.distributed.all_max(times, stream=mx.cpu).tolist()
+    return mx.distributed.all_max(mx.array([statistics.mean(each[1:]), min(each[1:])]), stream=mx.cpu).tolist()
 
 
 def rank_probe(spec: dict) -> dict | None:
     """Every rank: the step at the per-rank batch with every rank computing, the gradient all-reduce,
     then all_sum from min_bytes to max_bytes doubling (busbw = bytes / time x 2(N-1)/N)."""
+    import ctypes
+
     import mlx.core as mx
     from mlx.nn import average_gradients
     from mlx.utils import tree_map
 
+    # glibc keeps freed memory (mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD max) as Metal's buffer cache does,
+    # else all_sum's times are page faults
+    libc = platform.libc_ver()[0] == "glibc" and ctypes.CDLL("libc.so.6")
+    kept = bool(libc) and libc.mallopt(-4, 0) == 1 and libc.mallopt(-1, 2**31 - 1) == 1
     group = mx.distributed.init(strict=True)
-    size, kept = group.size(), mx.distributed.all_min(mx.array([float(keep_freed_memory())]), stream=mx.cpu)
+    size, kept = group.size(), mx.distributed.all_min(mx.array([float(kept)]), stream=mx.cpu)
     out: dict = {"reuse_freed_memory": kept.item() == 1, "allsum": []}
     if spec["per_rank_batch"]:
         st = stepper(spec["cfg"])
         row = measure_batch(st, spec["per_rank_batch"], spec["steps"])
         each = mx.distributed.all_gather(mx.array([row["step_s"]]), stream=mx.cpu).tolist()
-        out["concurrent"] = {"batch": row["batch"], "step_s": each,
-                             "tokens_per_step": row["tokens_per_step"]}
+        out["concurrent"] = {"batch": row["batch"], "step_s": each, "tokens_per_step": row["tokens_per_step"]}
         grads = tree_map(mx.zeros_like, st.model.trainable_parameters())
         mean_s, min_s = timed(mx, 3, average_gradients, grads, communication_stream=mx.cpu)  # as train's step
         out["grad_allreduce"] = {"bytes": st.trainable_bytes, "mean_s": mean_s, "min_s": min_s}
@@ -240,8 +232,7 @@ def recommend(cfg: dict, world: int, hosts: list[dict]) -> dict:
     cap, per_rank = min(f[0] for f in fits), g // world
     m = max(d for d in range(1, min(per_rank, cap) + 1) if per_rank % d == 0)
     return {"per_rank_batch": m, "grad_accumulation_steps": per_rank // m, "config_batch_size": m * world,
-            "config_grad_accumulation_steps": per_rank // m, "fits_memory_cap": cap,
-            "fits_memory_cap_kind": "measured" if (cap, "measured") in fits else "lower_bound",
+            "fits_memory_cap": cap, "fits_memory_cap_kind": "measured" if (cap, "measured") in fits else "lower_bound",
             "why": f"{g} examples per optimizer step = {world} ranks x {per_rank}; " + (
                 f"{m} per rank fits" if m == per_rank else
                 f"{per_rank} per rank does not fit: micro-batch {m} x {per_rank // m} accumulation steps")
@@ -270,9 +261,8 @@ def speedup_model(cfg: dict, world: int, hosts: list[dict], link: dict | None) -
         per_host[h["ssh"]] = (t if c and c["batch"] == m else t + t_g, how)
     t_ctrl, t_dual = accum * tc, accum * max(v[0] for v in per_host.values()) - (accum - 1) * t_g
     return {"per_rank_batch": m, "control_batch": cfg["batch_size"], "grad_accumulation_steps": accum,
-            "t_control_step_s": t_ctrl, "control_how": how_c, "t_dual_step_s": t_dual,
-            "dual_how": {k: v[1] for k, v in per_host.items()}, "t_grad_allreduce_s": t_g,
-            "expected_speedup": t_ctrl / t_dual,
+            "t_control_step_s": t_ctrl, "control_how": how_c, "t_dual_step_s": t_dual, "t_grad_allreduce_s": t_g,
+            "dual_how": {k: v[1] for k, v in per_host.items()}, "expected_speedup": t_ctrl / t_dual,
             "compute_bound_speedup": t_ctrl / max(t_dual - t_g, 1e-9), "link_share": t_g / t_dual}
 
 
@@ -327,8 +317,7 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
             "max_bytes": args.max_bytes, "per_rank_batch": per_rank_batch}
     port = args.port
     if port is None and all(h.ssh == "127.0.0.1" for h in hf.hosts):  # ranks here: ports nobody else uses
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+        with socket.create_server(("127.0.0.1", 0)) as s:
             port = s.getsockname()[1]
     argv = launch.launch_argv(args.hostfile, hf, args.python, args.remote_root,
                               ["--rank-probe", json.dumps(spec)], port, script=SCRIPT)
@@ -339,13 +328,11 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
     rows = res.pop("allsum")
     # large messages: the best over the sizes >= a quarter of the largest (one disturbed size is not the link)
     top = max((r for r in rows if r["bytes"] >= rows[-1]["bytes"] / 4), key=lambda r: r["best_busbw_gbps"])
-    link = {"backend": hf.backend or "ring", "world_size": hf.size, "allreduce": rows, **res,
-            "bandwidth_gbps": {"bytes": top["bytes"], "busbw_mean": top["busbw_gbps"],
-                               "busbw_best": top["best_busbw_gbps"]}}
-    if "concurrent" in res:  # per host, its slowest rank
-        c, slowest = res["concurrent"], {}
-        for h, t in zip(hf.hosts, c["step_s"], strict=True):
-            slowest[h.ssh] = max(t, slowest.get(h.ssh, 0))
+    link = {"backend": hf.backend or "ring", "world_size": hf.size, "allreduce": rows, **res, "bandwidth_gbps": {
+        "bytes": top["bytes"], "busbw_mean": top["busbw_gbps"], "busbw_best": top["best_busbw_gbps"]}}
+    if c := res.get("concurrent"):  # per host, its slowest rank
+        ranks = list(zip(hf.hosts, c["step_s"], strict=True))
+        slowest = {s: max(t for h, t in ranks if h.ssh == s) for s in hf.unique_ssh()}
         link["concurrent"] = {h: {"batch": c["batch"], "step_s": t, "tok_per_s": c["tokens_per_step"] / t}
                               for h, t in slowest.items()}
     return link
@@ -381,9 +368,8 @@ def orchestrate(args) -> int:
     except (RunbookError, ValueError) as e:
         return die(e if isinstance(e, RunbookError) else RunbookError(str(e), ANCHOR), 2)
     cfg.update(model=args.model, resume_adapter_file=None)
-    event("calibrate", hostfile=args.hostfile, world_size=hf.size, backend=hf.backend or "ring",
-          model=args.model, max_seq_length=cfg["max_seq_length"], batch_size=cfg["batch_size"],
-          loadavg=f"{load_start[0]:.2f}")
+    event("calibrate", hostfile=args.hostfile, world_size=hf.size, backend=hf.backend or "ring", model=args.model,
+          batch_size=cfg["batch_size"], loadavg=f"{load_start[0]:.2f}")
     try:
         measured = measure(args, hf, cfg, probe_id)
     except BaseException as e:  # leave no probe behind on any host, then say why (a bug: the traceback)

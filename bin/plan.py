@@ -138,8 +138,7 @@ def model_sections(c) -> dict:
     cal, cfg, why = c.cal, c.cfg, c.cal_why or "not in the calibration"
     rec, sp, hosts = cal.get("recommendation", {}), cal.get("speedup", {}), cal.get("hosts", [])
     devices = sorted({(h.get("facts") or {}).get("device") for h in hosts} - {None})
-    epochs = (lambda steps: steps * c.global_batch / c.train_records) if c.train_records else None
-    warmup = int((cfg["lr_schedule"] or {}).get("warmup", 0))
+    per_step = c.train_records and c.global_batch / c.train_records  # epochs an optimizer step covers
     peak = [r["peak_mem_bytes"] / 1e9 for h in hosts for r in h.get("sweep", []) if r["batch"] == c.per_rank]
     done = [e for e in launch.metrics(c.run_dir) if e.get("kind") == "done" and e.get("train_wall_s")]
     return {"strategy": {
@@ -152,8 +151,8 @@ def model_sections(c) -> dict:
                                       f"{c.world}: fix {c.args.config}", c.per_rank),
         "total_batch_size": c.global_batch, "gradient_accumulation_steps": cfg["grad_accumulation_steps"],
         "learning_rate": float(cfg["learning_rate"]), "fits_memory": verdict(c.checks["hardware_layer"]),
-        "warmup_epochs": epochs(warmup) if epochs else unknown(c.ds_why),
-        "epochs": epochs(cfg["iters"]) if epochs else unknown(c.ds_why),
+        "warmup_epochs": unknown(c.ds_why, per_step and int((cfg["lr_schedule"] or {}).get("warmup", 0)) * per_step),
+        "epochs": unknown(c.ds_why, per_step and cfg["iters"] * per_step),
         "recommended": {"per_gpu_batch_size": rec["per_rank_batch"], "gradient_accumulation_steps":
                         rec["grad_accumulation_steps"], "config_batch_size": rec["config_batch_size"],
                         "largest_fitting_batch": rec["fits_memory_cap"], "largest_fitting_batch_kind":
@@ -194,11 +193,9 @@ def launch_sections(c) -> dict:
         "verified": verdict(parity_layer(c, "rdma", ("resources.rdma",), "")) if jaccl else
         unknown(f"{ring}: no RDMA devices to verify"),
         "setup": "`rdma_ctl enable` once per Mac in Recovery OS" if jaccl else unknown(f"{ring}: not needed"),
-        "expected_speedup": unknown("JACCL vs ring: compare link.bandwidth_gbps of two calibrations of these "
-                                    "hosts (`make calibrate HOSTFILE=<ring hostfile>`, then the jaccl one)")},
+        "expected_speedup": unknown("JACCL vs ring: link.bandwidth_gbps of a ring and a jaccl calibration")},
         "checkpoint_strategy": {
-        "approach": "atomic verified checkpoints (lib/checkpoint.py): exact resume of weights, optimizer, "
-                    "RNG, data order",
+        "approach": "atomic verified checkpoints (lib/checkpoint.py) for exact resume",
         "async": False, "compression": "none (safetensors)", "resume_command": c.cmd["train"] + " RESUME=1",
         "storage": f"{c.args.remote_root}/runs/{c.args.run}/checkpoints on {c.hf.hosts[0].ssh}, then fetched",
         "frequency": f"every {c.cfg['save_every']} steps and the last", "retention":
@@ -210,30 +207,26 @@ def launch_sections(c) -> dict:
 
 def host_sections(c) -> dict:
     cal, p, s = c.cal, c.parity, c.sync
-    fit = {h["ssh"]: [r for r in h.get("sweep", []) if r["batch"] <= (c.per_rank or 0)]
-           for h in cal.get("hosts", [])}
-    alone = {h: max(rows, key=lambda r: r["batch"]) for h, rows in fit.items() if rows}
+    fit = {h["ssh"]: [r for r in h.get("sweep", []) if r["batch"] <= (c.per_rank or 0)] for h in cal.get("hosts", [])}
     bad = sorted({x["host"] for x in parity_rows(c, CONSISTENCY) if x["status"] == "fail"})
     conc, no_sync = (cal.get("link") or {}).get("concurrent", {}), f"{paths.rel(c.run_dir)}/sync.json missing"
-    run_sync = f"{no_sync}: run `{c.cmd['sync']}`"
-    notes = [f"{h['ssh']}: stopped by {h.get('stopped', {}).get('reason')}" for h in cal.get("hosts", [])]
-    notes += [f"expected speedup {cal.get('expected_speedup')}, link share {cal.get('link_share')}, shared "
-              f"machine {cal.get('shared_machine')}"]
+    notes = [f"{h['ssh']}: {h['stopped']['detail']}" for h in cal.get("hosts", []) if "stopped" in h]
     return {"pre_rdma_sync": {
         "sync_script": "bin/sync.py (make sync)", "command": c.cmd["sync"], "block_on_failure": True,
         "validation_checks": ["code sha256", "dataset files sha256 = manifest", "model files",
                               "probe after the transfer"],
-        "sync_status": ("success" if s["ok"] else "failed") if s else unknown(run_sync),
+        "sync_status": ("success" if s["ok"] else "failed") if s else unknown(f"{no_sync}: run `{c.cmd['sync']}`"),
         "sync_output": "; ".join(f"{h['host']}: {'verified' if h.get('verified') else 'NOT verified'}" for h
                                  in s.get("hosts", [])) + f" at {s.get('ts')}" if s else unknown(no_sync)},
         "hardware_calibration": {
         "measured_performance": {h: {"batch": r["batch"], "tok_per_s_alone": r["tok_per_s"],
                                      "tok_per_s_every_rank": conc.get(h, {}).get("tok_per_s")}
-                                 for h, r in alone.items()}
+                                 for h, rows in fit.items() if rows for r in rows[-1:]}
         or unknown(c.cal_why or f"no sweep row at or below batch {c.per_rank}"),
         "workload_distribution": {h: n / c.world for h, n in c.nodes.items()},
         "macos_qos_api": "not set: the trainer runs at the default QoS class",
-        "calibration_notes": "; ".join(notes) if cal else unknown(c.cal_why),
+        "calibration_notes": "; ".join(notes + [f"link share {cal.get('link_share')}, shared machine "
+                                                f"{cal.get('shared_machine')}"]) if cal else unknown(c.cal_why),
         "calibration_file": cal["file"] if cal else unknown(c.cal_why)},
         "worker_consistency": {
         "validation_checks": [f"check-parity {n}" for n in CONSISTENCY], "consistency_threshold": 1.0,
@@ -303,7 +296,7 @@ def preflight(c) -> list[dict]:
         check("hardware_layer", "pass", f"per-rank batch {n} fits every host (largest measured {cap}; "
               f"{cal['file']})") if n <= cap else
         check("hardware_layer", "fail", f"per-rank batch {n} does not fit: {rec['why']}", f"{edit}: batch_size "
-              f"{rec['config_batch_size']}, grad_accumulation_steps {rec['config_grad_accumulation_steps']}"),
+              f"{rec['config_batch_size']}, grad_accumulation_steps {rec['grad_accumulation_steps']}"),
         parity_layer(c, "worker_layer", ("ssh", "runtime", "link"), pc),
         parity_layer(c, "checkpoint_layer", ("resources.disk",), f"free disk at REMOTE_ROOT; {pc}"),
         check("gradient_layer", "fail" if problems else "pass", "; ".join(problems) or f"global batch "
