@@ -69,6 +69,7 @@ def stepper(cfg: dict) -> types.SimpleNamespace:
     model, _ = load(cfg["model"], tokenizer_config={"trust_remote_code": cfg["trust_remote_code"]},
                     trust_remote_code=cfg["trust_remote_code"])
     st = types.SimpleNamespace(mx=mx, model=model, cfg=cfg, optimizer=train.prepare_model(mx, model, cfg))
+    mx.eval(model.parameters(), st.optimizer.state)
     maybe_set_recommended_wired_limit()
     if cfg["grad_checkpoint"]:
         grad_checkpoint(model.layers[0])
@@ -106,7 +107,8 @@ def compute_sweep(st, spec: dict) -> dict:
     for b in sorted(set(spec["must"]) | {2**k for k in range(spec["max_batch"].bit_length())}):
         # predicted by the line through the last two sizes (one size: proportional; none: 0)
         mem, t = (step_time_at(rows, b, key)[0] or 0 for key in ("peak_mem_bytes", "step_s"))
-        need, left = (spec["steps"] + 1) * t, spec["budget_s"] - (time.monotonic() - t_start)
+        need = (spec["steps"] + 1) * max([t] + [r["step_s"] for r in rows[-1:]])  # no less than the last
+        left = spec["budget_s"] - (time.monotonic() - t_start)
         if ceiling and mem > ceiling:
             stop = ("memory", b, f"batch {b} would need ~{mem / 1e9:.2f} GB, over {over}")
             break
@@ -216,8 +218,7 @@ def step_time_at(sweep: list[dict], b: int, key: str = "step_s") -> tuple[float 
 def max_fitting_batch(host: dict) -> tuple[int | None, str]:
     """(largest batch within memory, "measured" when memory stopped the sweep, else "lower_bound")."""
     fit = [r["batch"] for r in host.get("sweep", []) if not r.get("over_memory")]
-    by_memory = host.get("stopped", {}).get("reason") == "memory"
-    return (max(fit) if fit else None), "measured" if by_memory else "lower_bound"
+    return max(fit, default=None), "measured" if host.get("stopped", {}).get("reason") == "memory" else "lower_bound"
 
 
 def recommend(cfg: dict, world: int, hosts: list[dict]) -> dict:

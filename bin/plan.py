@@ -316,10 +316,9 @@ def build_plan(args) -> dict:
     c = gather(args)
     checks = list(c.checks.values())
     overall = next((s for s in ("fail", "unknown") if any(x["status"] == s for x in checks)), "pass")
-    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     plan = {"version": VERSION,
-            "generated": {"created": created, "tool": "bin/plan.py", "git": launch.git_info(),
-                          "command": c.cmd["plan"]},
+            "generated": {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tool": "bin/plan.py",
+                          "git": launch.git_info(), "command": c.cmd["plan"]},
             "sources": {"hostfile": {"path": args.hostfile, "sha256": sha256_file(args.hostfile)},
                         "config": {"path": args.config, "sha256": sha256_file(args.config)},
                         "model_sha256": c.model_sha,
