@@ -9,18 +9,16 @@ Example (what `make calibrate` runs after sync and check-parity):
     python bin/calibrate.py --hostfile hostfile.json --model models/tiny-gemma4 \
         --config configs/stage1.yaml --remote-root "$PWD" --python "$PWD/.venv/bin/python"
 
-compute: one host at a time over ssh, bin/train.py's compiled step (the config's `loss`, so the memory
-and the recommended batch are that loss's) at batch 1, 2, 4, ... and the config's sizes, until memory
-(MEM_FRACTION of the ceiling) or --budget-s says stop. link: every rank under mlx.launch: that step
-at the per-rank batch, the gradient all-reduce, all_sum --min-bytes..--max-bytes (busbw).
-expected_speedup = control step / dual step (see speedup_model).
+compute: one host at a time over ssh, bin/train.py's step with the config's `loss` at batch 1, 2, 4, ...
+and the config's sizes until memory (MEM_FRACTION of the ceiling) or --budget-s says stop. link: every
+rank under mlx.launch: that step at the per-rank batch, the gradient all-reduce, all_sum --min-bytes..
+--max-bytes (busbw). expected_speedup = control step / dual step (see speedup_model).
 Writes runs/calibration-<UTC>.json. Exit 0 written, 1 a phase failed (nothing written), 2 bad input.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -59,78 +57,67 @@ def memory_ceiling(mx) -> tuple[int | None, str]:
 
 
 # ---- host side: the trainer's step ----------------------------------------------------------
-class Stepper:
-    """bin/train.py's own model preparation, optimizer and compiled step on random full-length batches."""
+def stepper(cfg: dict) -> types.SimpleNamespace:
+    """bin/train.py's model preparation, optimizer and compiled step, set up as its train() does."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.trainer import grad_checkpoint
+    from mlx_lm.utils import load, maybe_set_recommended_wired_limit
 
-    def __init__(self, cfg: dict):
-        import mlx.core as mx
-        from mlx.utils import tree_flatten
-        from mlx_lm.tuner.trainer import grad_checkpoint
-        from mlx_lm.utils import load, maybe_set_recommended_wired_limit
+    from bin import train
 
-        spec = importlib.util.spec_from_file_location("thunder_train", Path(__file__).with_name("train.py"))
-        train = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(train)
+    model, _ = load(cfg["model"], tokenizer_config={"trust_remote_code": cfg["trust_remote_code"]},
+                    trust_remote_code=cfg["trust_remote_code"])
+    st = types.SimpleNamespace(mx=mx, model=model, cfg=cfg, optimizer=train.prepare_model(mx, model, cfg))
+    mx.eval(model.parameters(), st.optimizer.state)
+    maybe_set_recommended_wired_limit()
+    if cfg["grad_checkpoint"]:
+        grad_checkpoint(model.layers[0])
+    st.state = [model.state, st.optimizer.state, mx.random.state]
+    st.step, params = train.compiled_step(st), [v for _, v in tree_flatten(model.trainable_parameters())]
+    st.trainable_params, st.trainable_bytes = sum(v.size for v in params), sum(v.nbytes for v in params)
+    model.train()
+    return st
+
+
+def measure_batch(st, b: int, steps: int) -> dict:
+    """A warm-up step (compiles this shape), then `steps` timed ones on random full-length rows."""
+    mx, seq, times = st.mx, int(st.cfg["max_seq_length"]), []
+    x = mx.random.randint(0, 256, (b, seq), key=mx.random.key(0)).astype(mx.int32)  # ids every vocab has
+    lengths = mx.array([[0, seq]] * b, dtype=mx.int32)
+    mx.reset_peak_memory()
+    for _ in range(steps + 1):
         t0 = time.perf_counter()
-        model, _ = load(cfg["model"], tokenizer_config={"trust_remote_code": cfg["trust_remote_code"]},
-                        trust_remote_code=cfg["trust_remote_code"])
-        opt = train.prepare_model(mx, model, cfg)
-        mx.eval(model.parameters(), opt.state)
-        self.load_s, self.mx, self.model = time.perf_counter() - t0, mx, model
-        self.seq = int(cfg["max_seq_length"])
-        maybe_set_recommended_wired_limit()
-        if cfg["grad_checkpoint"]:
-            grad_checkpoint(model.layers[0])
-        params = tree_flatten(model.trainable_parameters())
-        self.trainable_params = int(sum(v.size for _, v in params))
-        self.trainable_bytes = int(sum(v.nbytes for _, v in params))
-        self.vocab = int(getattr(getattr(model, "args", None), "vocab_size", 0) or 256)
-        self.state = [model.state, opt.state, mx.random.state]
-        self.step = train.compiled_step(types.SimpleNamespace(mx=mx, model=model, optimizer=opt, cfg=cfg,
-                                                              state=self.state))
-        model.train()
-
-    def measure(self, b: int, steps: int) -> dict:
-        """A warm-up step (compiles this shape), then `steps` timed ones."""
-        mx, times = self.mx, []
-        x = mx.random.randint(0, self.vocab, (b, self.seq), key=mx.random.key(0)).astype(mx.int32)
-        lengths = mx.array([[0, self.seq]] * b, dtype=mx.int32)
-        mx.eval(x, lengths)
-        mx.reset_peak_memory()
-        for _ in range(steps + 1):
-            t0 = time.perf_counter()
-            loss, toks, _ = self.step((x, lengths), None, True)
-            mx.eval(self.state, loss, toks)
-            times.append(time.perf_counter() - t0)
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(f"the loss is {loss.item()} at batch {b}")
-        step_s, toks = statistics.median(times[1:]), int(toks.item())
-        return {"batch": b, "tokens_per_step": toks, "step_s": round(step_s, 6),
-                "compile_s": round(times[0], 4), "tok_per_s": round(toks / step_s, 3),
-                "peak_mem_bytes": int(mx.get_peak_memory())}
+        loss, toks, _ = st.step((x, lengths), None, True)
+        mx.eval(st.state, loss, toks)
+        times.append(time.perf_counter() - t0)
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"the loss is {loss.item()} at batch {b}")
+    step_s, toks = statistics.median(times[1:]), int(toks.item())
+    return {"batch": b, "tokens_per_step": toks, "step_s": round(step_s, 6), "compile_s": round(times[0], 4),
+            "tok_per_s": round(toks / step_s, 3), "peak_mem_bytes": int(mx.get_peak_memory())}
 
 
-def compute_sweep(stepper: Stepper, spec: dict, emit) -> dict:
+def compute_sweep(st, spec: dict) -> dict:
     """Batch sizes upward until predicted memory, an allocation failure or the time budget says stop."""
-    mx, t_start = stepper.mx, time.monotonic()
+    mx, t_start, fraction = st.mx, time.monotonic(), spec["mem_fraction"]
     total, source = spec.get("ceiling") or memory_ceiling(mx)
-    fraction = spec["mem_fraction"]
     ceiling, over = total and total * fraction, f"{fraction:g} x {(total or 0) / 1e9:.2f} GB ({source})"
     rows, stop = [], ("max_batch", None, "measured every size to --max-batch and the config's")
     for b in sorted(set(spec["must"]) | {2**k for k in range(spec["max_batch"].bit_length())}):
-        if rows:  # predicted by the line through the last two sizes (one size: proportional)
-            mem = step_time_at(rows, b, "peak_mem_bytes")[0]
-            need = (spec["steps"] + 1) * max(step_time_at(rows, b)[0], rows[-1]["step_s"])
-            left = spec["budget_s"] - (time.monotonic() - t_start)
-            if ceiling and mem > ceiling:
-                stop = ("memory", b, f"batch {b} would need ~{mem / 1e9:.2f} GB, over {over}")
-            elif need > left:
-                stop = ("time", b, f"batch {b} would take ~{need:.1f} s, {max(left, 0):.1f} s of the "
-                                   f"{spec['budget_s']:g} s budget left")
-            if stop[1]:
-                break
+        # predicted by the line through the last two sizes (one size: proportional; none: 0)
+        mem, t = (step_time_at(rows, b, key)[0] or 0 for key in ("peak_mem_bytes", "step_s"))
+        need = (spec["steps"] + 1) * max([t] + [r["step_s"] for r in rows[-1:]])  # no less than the last
+        left = spec["budget_s"] - (time.monotonic() - t_start)
+        if ceiling and mem > ceiling:
+            stop = ("memory", b, f"batch {b} would need ~{mem / 1e9:.2f} GB, over {over}")
+            break
+        if need > left:
+            stop = ("time", b, f"batch {b} would take ~{need:.1f} s, {max(left, 0):.1f} s of the "
+                               f"{spec['budget_s']:g} s budget left")
+            break
         try:
-            row = stepper.measure(b, spec["steps"])
+            row = measure_batch(st, b, spec["steps"])
         except (RuntimeError, MemoryError, ValueError) as e:
             if not (isinstance(e, MemoryError) or OOM_RE.search(str(e))):
                 raise
@@ -139,7 +126,9 @@ def compute_sweep(stepper: Stepper, spec: dict, emit) -> dict:
         finally:
             mx.clear_cache()
         rows.append({**row, "over_memory": bool(ceiling and row["peak_mem_bytes"] > ceiling)})
-        emit(row)
+        event("calibrate-compute", host=spec.get("host"), batch=b, step_s=row["step_s"],
+              **{"tok/s": row["tok_per_s"]}, peak_mem_gb=round(row["peak_mem_bytes"] / 1e9, 4),
+              compile_s=row["compile_s"])
         if rows[-1]["over_memory"]:
             stop = ("memory", b, f"batch {b} peaked over {over}")
             break
@@ -151,32 +140,17 @@ def compute_probe(spec: dict) -> dict:
     """One host alone: its facts, the model loaded, the batch sweep."""
     import mlx.core as mx
 
-    boot, host = Path("/proc/sys/kernel/random/boot_id"), spec["host"]  # one boot id: one machine (fabric)
+    boot = Path("/proc/sys/kernel/random/boot_id")  # one boot id: one machine (the fabric's hosts)
     facts = {"hostname": socket.gethostname(), "platform": sys.platform, "machine": platform.machine(),
              "device": str(mx.default_device()), "loadavg": [round(x, 2) for x in os.getloadavg()],
              "cpu_count": os.cpu_count(), "boot_id": boot.read_text().strip() if boot.is_file() else None}
     spec["ceiling"] = memory_ceiling(mx)  # before the model takes its share
-    stepper = Stepper(spec["cfg"])
-    event("calibrate-load", host=host, load_s=round(stepper.load_s, 3),
-          trainable_params=stepper.trainable_params)
-    out = compute_sweep(stepper, spec, lambda r: event(
-        "calibrate-compute", host=host, batch=r["batch"], step_s=r["step_s"], **{"tok/s": r["tok_per_s"]},
-        peak_mem_gb=round(r["peak_mem_bytes"] / 1e9, 4), compile_s=r["compile_s"]))
-    return dict(out, facts=facts, trainable_params=stepper.trainable_params,
-                trainable_bytes=stepper.trainable_bytes)
+    st = stepper(spec["cfg"])
+    return dict(compute_sweep(st, spec), facts=facts, trainable_params=st.trainable_params,
+                trainable_bytes=st.trainable_bytes)
 
 
 # ---- host side: every rank at once under mlx.launch -------------------------------------------
-def keep_freed_memory() -> bool:
-    """glibc keeps freed memory as Metal's buffer cache does (else all_sum's times are page faults)."""
-    import ctypes
-
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL("libc.so.6")
-    return libc.mallopt(-4, 0) == 1 and libc.mallopt(-1, 2**31 - 1) == 1  # M_MMAP_MAX, M_TRIM_THRESHOLD
-
-
 def timed(mx, reps: int, fn, *args, **kw) -> list[float]:
     """[mean, best] seconds of fn after a warm-up call, each the slowest rank's (a collective's time)."""
     each = []
@@ -184,30 +158,34 @@ def timed(mx, reps: int, fn, *args, **kw) -> list[float]:
         t0 = time.perf_counter()
         mx.eval(fn(*args, **kw))
         each.append(time.perf_counter() - t0)
-    times = mx.array([statistics.mean(each[1:]), min(each[1:])])
-    return mx.distributed.all_max(times, stream=mx.cpu).tolist()
+    return mx.distributed.all_max(mx.array([statistics.mean(each[1:]), min(each[1:])]), stream=mx.cpu).tolist()
 
 
 def rank_probe(spec: dict) -> dict | None:
     """Every rank: the step at the per-rank batch with every rank computing, the gradient all-reduce,
     then all_sum from min_bytes to max_bytes doubling (busbw = bytes / time x 2(N-1)/N)."""
+    import ctypes
+
     import mlx.core as mx
     from mlx.nn import average_gradients
     from mlx.utils import tree_map
 
+    # glibc keeps freed memory (mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD max) as Metal's buffer cache does,
+    # else all_sum's times are page faults
+    libc = platform.libc_ver()[0] == "glibc" and ctypes.CDLL("libc.so.6")
+    kept = bool(libc) and libc.mallopt(-4, 0) == 1 and libc.mallopt(-1, 2**31 - 1) == 1
     group = mx.distributed.init(strict=True)
-    size, kept = group.size(), mx.distributed.all_min(mx.array([float(keep_freed_memory())]), stream=mx.cpu)
+    size, kept = group.size(), mx.distributed.all_min(mx.array([float(kept)]), stream=mx.cpu)
     out: dict = {"reuse_freed_memory": kept.item() == 1, "allsum": []}
     if spec["per_rank_batch"]:
-        stepper = Stepper(spec["cfg"])
-        row = stepper.measure(spec["per_rank_batch"], spec["steps"])
+        st = stepper(spec["cfg"])
+        row = measure_batch(st, spec["per_rank_batch"], spec["steps"])
         each = mx.distributed.all_gather(mx.array([row["step_s"]]), stream=mx.cpu).tolist()
-        out["concurrent"] = {"batch": row["batch"], "step_s": each,
-                             "tokens_per_step": row["tokens_per_step"]}
-        grads = tree_map(mx.zeros_like, stepper.model.trainable_parameters())
+        out["concurrent"] = {"batch": row["batch"], "step_s": each, "tokens_per_step": row["tokens_per_step"]}
+        grads = tree_map(mx.zeros_like, st.model.trainable_parameters())
         mean_s, min_s = timed(mx, 3, average_gradients, grads, communication_stream=mx.cpu)  # as train's step
-        out["grad_allreduce"] = {"bytes": stepper.trainable_bytes, "mean_s": mean_s, "min_s": min_s}
-        del stepper, grads
+        out["grad_allreduce"] = {"bytes": st.trainable_bytes, "mean_s": mean_s, "min_s": min_s}
+        del st, grads
         mx.clear_cache()
     n = spec["min_bytes"]
     while n < 2 * spec["max_bytes"]:
@@ -240,23 +218,22 @@ def step_time_at(sweep: list[dict], b: int, key: str = "step_s") -> tuple[float 
 def max_fitting_batch(host: dict) -> tuple[int | None, str]:
     """(largest batch within memory, "measured" when memory stopped the sweep, else "lower_bound")."""
     fit = [r["batch"] for r in host.get("sweep", []) if not r.get("over_memory")]
-    by_memory = host.get("stopped", {}).get("reason") == "memory"
-    return (max(fit) if fit else None), "measured" if by_memory else "lower_bound"
+    return max(fit, default=None), "measured" if host.get("stopped", {}).get("reason") == "memory" else "lower_bound"
 
 
 def recommend(cfg: dict, world: int, hosts: list[dict]) -> dict:
     """Per-rank micro-batch and accumulation that keep the config's global batch and fit every host."""
     g = cfg["batch_size"] * cfg["grad_accumulation_steps"]
     fits = [max_fitting_batch(h) for h in hosts]
-    if g % world or any(f[0] is None for f in fits):
-        return {"error": "a host measured no batch within its memory: see the compute phase" if g % world == 0
-                else f"the global batch {g} (batch_size x grad_accumulation_steps) is not divisible by the "
-                f"world size {world}: use {g - g % world or world} or {g - g % world + world}"}
+    if g % world:
+        return {"error": f"the global batch {g} (batch_size x grad_accumulation_steps) is not divisible by "
+                         f"the world size {world}: use {g - g % world or world} or {g - g % world + world}"}
+    if any(f[0] is None for f in fits):
+        return {"error": "a host measured no batch within its memory (or --skip-compute): see the compute phase"}
     cap, per_rank = min(f[0] for f in fits), g // world
     m = max(d for d in range(1, min(per_rank, cap) + 1) if per_rank % d == 0)
     return {"per_rank_batch": m, "grad_accumulation_steps": per_rank // m, "config_batch_size": m * world,
-            "config_grad_accumulation_steps": per_rank // m, "fits_memory_cap": cap,
-            "fits_memory_cap_kind": "measured" if (cap, "measured") in fits else "lower_bound",
+            "fits_memory_cap": cap, "fits_memory_cap_kind": "measured" if (cap, "measured") in fits else "lower_bound",
             "why": f"{g} examples per optimizer step = {world} ranks x {per_rank}; " + (
                 f"{m} per rank fits" if m == per_rank else
                 f"{per_rank} per rank does not fit: micro-batch {m} x {per_rank // m} accumulation steps")
@@ -285,9 +262,8 @@ def speedup_model(cfg: dict, world: int, hosts: list[dict], link: dict | None) -
         per_host[h["ssh"]] = (t if c and c["batch"] == m else t + t_g, how)
     t_ctrl, t_dual = accum * tc, accum * max(v[0] for v in per_host.values()) - (accum - 1) * t_g
     return {"per_rank_batch": m, "control_batch": cfg["batch_size"], "grad_accumulation_steps": accum,
-            "t_control_step_s": t_ctrl, "control_how": how_c, "t_dual_step_s": t_dual,
-            "dual_how": {k: v[1] for k, v in per_host.items()}, "t_grad_allreduce_s": t_g,
-            "expected_speedup": t_ctrl / t_dual,
+            "t_control_step_s": t_ctrl, "control_how": how_c, "t_dual_step_s": t_dual, "t_grad_allreduce_s": t_g,
+            "dual_how": {k: v[1] for k, v in per_host.items()}, "expected_speedup": t_ctrl / t_dual,
             "compute_bound_speedup": t_ctrl / max(t_dual - t_g, 1e-9), "link_share": t_g / t_dual}
 
 
@@ -342,8 +318,7 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
             "max_bytes": args.max_bytes, "per_rank_batch": per_rank_batch}
     port = args.port
     if port is None and all(h.ssh == "127.0.0.1" for h in hf.hosts):  # ranks here: ports nobody else uses
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+        with socket.create_server(("127.0.0.1", 0)) as s:
             port = s.getsockname()[1]
     argv = launch.launch_argv(args.hostfile, hf, args.python, args.remote_root,
                               ["--rank-probe", json.dumps(spec)], port, script=SCRIPT)
@@ -354,13 +329,11 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
     rows = res.pop("allsum")
     # large messages: the best over the sizes >= a quarter of the largest (one disturbed size is not the link)
     top = max((r for r in rows if r["bytes"] >= rows[-1]["bytes"] / 4), key=lambda r: r["best_busbw_gbps"])
-    link = {"backend": hf.backend or "ring", "world_size": hf.size, "allreduce": rows, **res,
-            "bandwidth_gbps": {"bytes": top["bytes"], "busbw_mean": top["busbw_gbps"],
-                               "busbw_best": top["best_busbw_gbps"]}}
-    if "concurrent" in res:  # per host, its slowest rank
-        c, slowest = res["concurrent"], {}
-        for h, t in zip(hf.hosts, c["step_s"], strict=True):
-            slowest[h.ssh] = max(t, slowest.get(h.ssh, 0))
+    link = {"backend": hf.backend or "ring", "world_size": hf.size, "allreduce": rows, **res, "bandwidth_gbps": {
+        "bytes": top["bytes"], "busbw_mean": top["busbw_gbps"], "busbw_best": top["best_busbw_gbps"]}}
+    if c := res.get("concurrent"):  # per host, its slowest rank
+        ranks = list(zip(hf.hosts, c["step_s"], strict=True))
+        slowest = {s: max(t for h, t in ranks if h.ssh == s) for s in hf.unique_ssh()}
         link["concurrent"] = {h: {"batch": c["batch"], "step_s": t, "tok_per_s": c["tokens_per_step"] / t}
                               for h, t in slowest.items()}
     return link
@@ -369,26 +342,19 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
 def measure(args, hf, cfg: dict, probe_id: str) -> dict:
     """The two phases, the recommendation and the speedup: the calibration's measured part."""
     hosts = [{"ssh": s, "ranks": [h.rank for h in hf.hosts if h.ssh == s]} for s in hf.unique_ssh()]
-    skipped = args.skip_compute and "skipped (--skip-compute): no throughput, recommendation or speedup"
-    if not skipped:
+    if not args.skip_compute:
         phase_compute(args, hf, cfg, probe_id, hosts)
-    rec = {"error": skipped} if skipped else recommend(cfg, hf.size, hosts)
-    per_rank = None if skipped or cfg["batch_size"] % hf.size else cfg["batch_size"] // hf.size
+    rec = recommend(cfg, hf.size, hosts)
+    per_rank = None if args.skip_compute or cfg["batch_size"] % hf.size else cfg["batch_size"] // hf.size
     if per_rank and rec.get("fits_memory_cap_kind") == "measured" and per_rank > rec["fits_memory_cap"]:
         per_rank = rec["per_rank_batch"]  # the configured split does not fit: time the one that does
     link = phase_link(args, hf, cfg, probe_id, per_rank) if hf.size > 1 else None
-    sp = {"unknown": skipped} if skipped else speedup_model(cfg, hf.size, hosts, link)
-    one = hf.size == 1 and "one rank: no link to measure"
-    unknown = {k: v for k, v in (("compute", skipped), ("link", one)) if v}
-    unknown |= {k: sp["unknown"] for k in ("expected_speedup", "compute_bound_speedup") if sp.get(k) is None}
-    boots: dict = {}
+    sp, boots = speedup_model(cfg, hf.size, hosts, link), {}
     for h in hosts:
         boots.setdefault((h.get("facts") or {}).get("boot_id") or h["ssh"], []).append(h["ssh"])
     return {"hosts": hosts, "shared_machine": [v for v in boots.values() if len(v) > 1], "link": link,
             **{k: hosts[0].get(k) for k in ("trainable_params", "trainable_bytes")}, "recommendation": rec,
-            "speedup": sp, **{k: sp.get(k) for k in ("expected_speedup", "compute_bound_speedup",
-                                                      "link_share")},
-            "unknown": unknown}
+            "speedup": sp, **{k: sp.get(k) for k in ("expected_speedup", "compute_bound_speedup", "link_share")}}
 
 
 def orchestrate(args) -> int:
@@ -403,9 +369,8 @@ def orchestrate(args) -> int:
     except (RunbookError, ValueError) as e:
         return die(e if isinstance(e, RunbookError) else RunbookError(str(e), ANCHOR), 2)
     cfg.update(model=args.model, resume_adapter_file=None)
-    event("calibrate", hostfile=args.hostfile, world_size=hf.size, backend=hf.backend or "ring",
-          model=args.model, max_seq_length=cfg["max_seq_length"], batch_size=cfg["batch_size"],
-          loadavg=f"{load_start[0]:.2f}")
+    event("calibrate", hostfile=args.hostfile, world_size=hf.size, backend=hf.backend or "ring", model=args.model,
+          batch_size=cfg["batch_size"], loadavg=f"{load_start[0]:.2f}")
     try:
         measured = measure(args, hf, cfg, probe_id)
     except BaseException as e:  # leave no probe behind on any host, then say why (a bug: the traceback)
@@ -432,8 +397,8 @@ def orchestrate(args) -> int:
     rec = doc["recommendation"]
     print("recommendation: " + (rec.get("error") or f"per-rank batch {rec['per_rank_batch']} x accumulation "
                                 f"{rec['grad_accumulation_steps']}: {rec['why']}"), flush=True)
-    event("calibrate-done", file=paths.rel(path), expected_speedup=doc["expected_speedup"] or "unknown",
-          unknown=",".join(doc["unknown"]) or "-", wall_s=doc["wall_s"])
+    event("calibrate-done", file=paths.rel(path), wall_s=doc["wall_s"],
+          expected_speedup=doc["expected_speedup"] or json.dumps(doc["speedup"]["unknown"]))
     return 0
 
 

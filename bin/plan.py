@@ -17,7 +17,6 @@ Exit 0 written (1 with --strict unless every check passes), 2 bad input.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import shlex
@@ -29,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bin.compare import DEFAULT_MIN_SPEEDUP, DEFAULT_TOLERANCE  # noqa: E402
 from lib import atomic, launch, paths  # noqa: E402
 from lib import config as C  # noqa: E402
 from lib.hashing import sha256_file  # noqa: E402
@@ -42,6 +42,7 @@ SECTIONS = ("strategy", "batch_configuration", "distributed_config", "rdma_confi
             "worker_consistency", "coordinator_chunking", "pre_flight_checklist")
 LAYERS = ("hardware_layer", "worker_layer", "checkpoint_layer", "gradient_layer", "performance_layer",
           "health_check", "pre_rdma_sync", "worker_consistency")
+CONSISTENCY = ("code", "model", "dataset", "runtime")  # check-parity rows every host must pass alike
 CAL_KEYS = ("max_seq_length", "num_layers", "fine_tune_type", "lora_parameters", "grad_checkpoint", "loss",
             "loss_chunk_tokens")  # a calibration measured with other values is not used
 
@@ -51,13 +52,11 @@ def unknown(reason: str, value=None):
     return {"value": None, "unknown": reason} if value is None else value
 
 
-def unknowns_in(obj, path: str = "") -> list[dict]:
-    """Every explicit unknown in the plan, with its dotted path."""
-    if isinstance(obj, dict) and set(obj) == {"value", "unknown"} and obj["value"] is None:
+def unknowns_in(obj: dict, path: str = "") -> list[dict]:
+    """Every explicit unknown in the plan's objects (no array holds one), with its dotted path."""
+    if set(obj) == {"value", "unknown"} and obj["value"] is None:
         return [{"field": path, "reason": obj["unknown"]}]
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else []
-    return [u for k, v in items for u in unknowns_in(v, f"{path}[{k}]" if isinstance(k, int) else
-                                                  f"{path}.{k}" if path else k)]
+    return [u for k, v in obj.items() if isinstance(v, dict) for u in unknowns_in(v, f"{path}.{k}".lstrip("."))]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", default="stage1", help="the run whose sync, smoke and metrics are read")
     p.add_argument("--runs-dir", default=str(paths.RUNS), help="where runs, parity and calibrations live")
     p.add_argument("--max-parity-age-s", type=float, default=3600.0, help="older check-parity is stale")
-    p.add_argument("--min-speedup", type=float, help="the speedup compare requires (default: compare's)")
+    p.add_argument("--min-speedup", type=float, default=DEFAULT_MIN_SPEEDUP, help="the speedup compare requires")
     p.add_argument("--strict", action="store_true", help="exit 1 unless every pre-flight check passes")
     return p
 
@@ -83,23 +82,18 @@ def load_parity(c) -> dict:
         return {"error": f"no check-parity result ({rel} missing or unreadable): {fix}"}
     if not set(want) <= set(seen):
         return {"error": f"{rel} checked {seen}, not {want}: {fix}"}
-    out = {"file": rel, "status": data.get("status"), "code": data.get("code"), "ts": data.get("ts", "?"),
-           "checks": data["checks"]}
-    try:
-        age = time.time() - datetime.strptime(out["ts"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
-    except ValueError:
-        age = None
-    if age is None or age > c.args.max_parity_age_s:
-        out["stale"] = (f"{rel} is {'of unknown age' if age is None else f'{age / 60:.0f} min old'} "
-                        f"(limit {c.args.max_parity_age_s / 60:.0f} min): {fix}")
+    out = {k: data[k] for k in ("status", "code", "ts", "checks")} | {"file": rel}
+    age = time.time() - datetime.strptime(out["ts"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    if age > c.args.max_parity_age_s:
+        out["stale"] = f"{rel} is {age / 60:.0f} min old (limit {c.args.max_parity_age_s / 60:.0f} min): {fix}"
     return out
 
 
-def load_calibration(c) -> tuple[dict | None, str]:
-    """(the newest calibration if measured for these hosts, model and settings, else None; why not)."""
+def load_calibration(c) -> tuple[dict, str]:
+    """(the newest calibration if measured for these hosts, model and settings, else {}; why not)."""
     files, fix = sorted(Path(c.args.runs_dir).glob("calibration-*.json")), f"run `{c.cmd['calibrate']}`"
     if not files:
-        return None, f"no calibration yet: {fix}"
+        return {}, f"no calibration yet: {fix}"
     cal, rel = launch.read_json(files[-1]), paths.rel(files[-1])
     hf, conf, model = cal.get("hostfile", {}), cal.get("config", {}), cal.get("model")
     hosts = [(h.get("ssh"), h.get("ips")) for h in hf.get("hosts", [])]
@@ -110,7 +104,7 @@ def load_calibration(c) -> tuple[dict | None, str]:
         ((model, cal.get("model_sha256")) == (c.args.model, c.model_sha), f"model {model}"),
         *((conf.get(k) == c.cfg[k], f"{k} {conf.get(k)!r}, not {c.cfg[k]!r}") for k in CAL_KEYS)) if not ok]
     if bad:
-        return None, f"the newest calibration {rel} was measured for {'; '.join(bad)}: {fix}"
+        return {}, f"the newest calibration {rel} was measured for {'; '.join(bad)}: {fix}"
     return dict(cal, file=rel), ""
 
 
@@ -120,17 +114,12 @@ def gather(args) -> types.SimpleNamespace:
     check_path(args.remote_root, "REMOTE_ROOT")
     check_path(args.python, "PYTHON")
     paths.check_run_id(args.run)
-    spec = importlib.util.spec_from_file_location("thunder_compare", paths.ROOT / "bin" / "compare.py")
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
     v = {"HOSTFILE": args.hostfile, "CONFIG": args.config, "MODEL": args.model, "DATASET": args.dataset,
          "REMOTE_ROOT": args.remote_root, "PYTHON": args.python, "RUN": args.run}
     cmd = {t: shlex.join(launch.make_cmd(t, v)) for t in (
         "check-parity", "sync", "calibrate", "smoke", "train", "control", "compare", "plan")}
     c = types.SimpleNamespace(args=args, hf=hf, cfg=cfg, world=hf.size, backend=hf.backend or "ring", cmd=cmd,
-                              model_sha=launch.model_hash(args.model), run_dir=Path(args.runs_dir) / args.run,
-                              tolerance=compare.DEFAULT_TOLERANCE)
-    c.min_speedup = compare.DEFAULT_MIN_SPEEDUP if args.min_speedup is None else args.min_speedup
+                              model_sha=launch.model_hash(args.model), run_dir=Path(args.runs_dir) / args.run)
     c.parity, (c.cal, c.cal_why) = load_parity(c), load_calibration(c)
     c.calibrate_longer = f"run `{cmd['calibrate']} CALIBRATE_ARGS=--budget-s=600`"
     counts = launch.read_json(paths.DATASETS / args.dataset / "manifest.json").get("counts", {})
@@ -140,25 +129,16 @@ def gather(args) -> types.SimpleNamespace:
     c.global_batch = cfg["batch_size"] * cfg["grad_accumulation_steps"]
     c.nodes = {h: sum(x.ssh == h for x in hf.hosts) for h in hf.unique_ssh()}  # ranks per host
     c.per_rank = cfg["batch_size"] // hf.size if cfg["batch_size"] % hf.size == 0 else None
-    rec = (c.cal or {}).get("recommendation", {})
-    if "fits_memory_cap" not in rec or not c.per_rank:
-        c.fits = unknown(c.cal_why or rec.get("error") or f"batch_size {cfg['batch_size']} is not divisible "
-                         f"by {hf.size}")
-    elif c.per_rank <= rec["fits_memory_cap"] or rec["fits_memory_cap_kind"] == "measured":
-        c.fits = c.per_rank <= rec["fits_memory_cap"]
-    else:
-        c.fits = unknown(f"{c.cal['file']}: batch {rec['fits_memory_cap']} fits and larger ones were not "
-                         f"measured: {c.calibrate_longer}")
+    c.checks = {x["name"]: x for x in preflight(c)}
     return c
 
 
 # ---- the sections ------------------------------------------------------------------------------
 def model_sections(c) -> dict:
-    cal, cfg, why = c.cal or {}, c.cfg, c.cal_why or "not in the calibration"
+    cal, cfg, why = c.cal, c.cfg, c.cal_why or "not in the calibration"
     rec, sp, hosts = cal.get("recommendation", {}), cal.get("speedup", {}), cal.get("hosts", [])
     devices = sorted({(h.get("facts") or {}).get("device") for h in hosts} - {None})
-    epochs = (lambda steps: steps * c.global_batch / c.train_records) if c.train_records else None
-    warmup = int((cfg["lr_schedule"] or {}).get("warmup", 0))
+    per_step = c.train_records and c.global_batch / c.train_records  # epochs an optimizer step covers
     peak = [r["peak_mem_bytes"] / 1e9 for h in hosts for r in h.get("sweep", []) if r["batch"] == c.per_rank]
     done = [e for e in launch.metrics(c.run_dir) if e.get("kind") == "done" and e.get("train_wall_s")]
     return {"strategy": {
@@ -170,9 +150,9 @@ def model_sections(c) -> dict:
         "per_gpu_batch_size": unknown(f"batch_size {cfg['batch_size']} is not divisible by the world size "
                                       f"{c.world}: fix {c.args.config}", c.per_rank),
         "total_batch_size": c.global_batch, "gradient_accumulation_steps": cfg["grad_accumulation_steps"],
-        "learning_rate": float(cfg["learning_rate"]), "fits_memory": c.fits,
-        "warmup_epochs": epochs(warmup) if epochs else unknown(c.ds_why),
-        "epochs": epochs(cfg["iters"]) if epochs else unknown(c.ds_why),
+        "learning_rate": float(cfg["learning_rate"]), "fits_memory": verdict(c.checks["hardware_layer"]),
+        "warmup_epochs": unknown(c.ds_why, per_step and int((cfg["lr_schedule"] or {}).get("warmup", 0)) * per_step),
+        "epochs": unknown(c.ds_why, per_step and cfg["iters"] * per_step),
         "recommended": {"per_gpu_batch_size": rec["per_rank_batch"], "gradient_accumulation_steps":
                         rec["grad_accumulation_steps"], "config_batch_size": rec["config_batch_size"],
                         "largest_fitting_batch": rec["fits_memory_cap"], "largest_fitting_batch_kind":
@@ -181,10 +161,9 @@ def model_sections(c) -> dict:
         "performance_targets": {
         "throughput": {"tok_per_s": c.global_batch * (cfg["max_seq_length"] - 1) / sp["t_dual_step_s"],
                        "source": f"{cal['file']}: global batch x (max_seq_length - 1) / the dual step"}
-        if sp.get("t_dual_step_s") else unknown(c.cal_why or sp.get("unknown", "not measured")),
-        "expected_speedup": unknown(c.cal_why or cal["unknown"].get("expected_speedup", "not measured"),
-                                    cal.get("expected_speedup")),
-        "min_speedup": c.min_speedup,
+        if sp.get("t_dual_step_s") else unknown(c.cal_why or sp.get("unknown")),
+        "expected_speedup": unknown(c.cal_why or sp.get("unknown"), cal.get("expected_speedup")),
+        "min_speedup": c.args.min_speedup,
         "gpu_utilization": unknown("MLX has no GPU utilization counter: tok/s and expected_speedup stand in"),
         "peak_memory_gb": max(peak) if peak else unknown(
             c.cal_why or f"{cal['file']}: batch {c.per_rank} not measured: {c.calibrate_longer}"),
@@ -194,12 +173,11 @@ def model_sections(c) -> dict:
 
 
 def launch_sections(c) -> dict:
-    facts = [h.get("facts") or {} for h in (c.cal or {}).get("hosts", [])]
+    facts = [h.get("facts") or {} for h in c.cal.get("hosts", [])]
     envs = {"MLX_RANK": "set per rank by mlx.launch", "MLX_HOSTFILE": "set by mlx.launch"} | dict(
         e.partition("=")[::2] for e in c.hf.envs)
     targs = launch.trainer_args(types.SimpleNamespace(model=c.args.model, dataset=c.args.dataset, seed=None),
                                 f"runs/{c.args.run}", c.args.config)
-    rdma = [x["status"] == "pass" for x in c.parity.get("checks", []) if x["name"] == "resources.rdma"]
     jaccl, ring = c.backend.startswith("jaccl"), "the hostfile's backend is ring"
     smoke = c.smoke if c.smoke.get("ok") and len(c.smoke.get("launches", [])) >= 2 else None
     return {"distributed_config": {
@@ -212,14 +190,12 @@ def launch_sections(c) -> dict:
         "rdma_config": {
         "enabled": jaccl, "backend": c.backend, "env_vars": {k: v for k, v in envs.items() if k[:3] != "MLX"},
         "platform": "JACCL: macOS 26.2+, a Thunderbolt 5 cable a pair" if jaccl else "ring over TCP: no RDMA",
-        "verified": unknown(f"{ring}: no RDMA devices to verify") if not jaccl else all(rdma) if rdma else
-        unknown(c.parity.get("error") or "check-parity reported no resources.rdma row: run it on the Macs"),
+        "verified": verdict(parity_layer(c, "rdma", ("resources.rdma",), "")) if jaccl else
+        unknown(f"{ring}: no RDMA devices to verify"),
         "setup": "`rdma_ctl enable` once per Mac in Recovery OS" if jaccl else unknown(f"{ring}: not needed"),
-        "expected_speedup": unknown("JACCL vs ring: compare link.bandwidth_gbps of two calibrations of these "
-                                    "hosts (`make calibrate HOSTFILE=<ring hostfile>`, then the jaccl one)")},
+        "expected_speedup": unknown("JACCL vs ring: link.bandwidth_gbps of a ring and a jaccl calibration")},
         "checkpoint_strategy": {
-        "approach": "atomic verified checkpoints (lib/checkpoint.py): exact resume of weights, optimizer, "
-                    "RNG, data order",
+        "approach": "atomic verified checkpoints (lib/checkpoint.py) for exact resume",
         "async": False, "compression": "none (safetensors)", "resume_command": c.cmd["train"] + " RESUME=1",
         "storage": f"{c.args.remote_root}/runs/{c.args.run}/checkpoints on {c.hf.hosts[0].ssh}, then fetched",
         "frequency": f"every {c.cfg['save_every']} steps and the last", "retention":
@@ -230,37 +206,32 @@ def launch_sections(c) -> dict:
 
 
 def host_sections(c) -> dict:
-    cal, p, s = c.cal or {}, c.parity, c.sync
-    names = ("runtime.python", "runtime.packages", "runtime.mlx", "code", "model", "dataset")
-    fit = {h["ssh"]: [r for r in h.get("sweep", []) if r["batch"] <= (c.per_rank or 0)]
-           for h in cal.get("hosts", [])}
-    alone = {h: max(rows, key=lambda r: r["batch"]) for h, rows in fit.items() if rows}
-    bad = sorted({x["host"] for x in p.get("checks", []) if x["name"] in names and x["status"] == "fail"})
+    cal, p, s = c.cal, c.parity, c.sync
+    fit = {h["ssh"]: [r for r in h.get("sweep", []) if r["batch"] <= (c.per_rank or 0)] for h in cal.get("hosts", [])}
+    bad = sorted({x["host"] for x in parity_rows(c, CONSISTENCY) if x["status"] == "fail"})
     conc, no_sync = (cal.get("link") or {}).get("concurrent", {}), f"{paths.rel(c.run_dir)}/sync.json missing"
-    run_sync = f"{no_sync}: run `{c.cmd['sync']}`"
-    notes = [f"{h['ssh']}: stopped by {h.get('stopped', {}).get('reason')}" for h in cal.get("hosts", [])]
-    notes += [f"expected speedup {cal.get('expected_speedup')}, link share {cal.get('link_share')}, shared "
-              f"machine {cal.get('shared_machine')}"]
+    notes = [f"{h['ssh']}: {h['stopped']['detail']}" for h in cal.get("hosts", []) if "stopped" in h]
     return {"pre_rdma_sync": {
         "sync_script": "bin/sync.py (make sync)", "command": c.cmd["sync"], "block_on_failure": True,
         "validation_checks": ["code sha256", "dataset files sha256 = manifest", "model files",
                               "probe after the transfer"],
-        "sync_status": ("success" if s["ok"] else "failed") if s else unknown(run_sync),
+        "sync_status": ("success" if s["ok"] else "failed") if s else unknown(f"{no_sync}: run `{c.cmd['sync']}`"),
         "sync_output": "; ".join(f"{h['host']}: {'verified' if h.get('verified') else 'NOT verified'}" for h
                                  in s.get("hosts", [])) + f" at {s.get('ts')}" if s else unknown(no_sync)},
         "hardware_calibration": {
         "measured_performance": {h: {"batch": r["batch"], "tok_per_s_alone": r["tok_per_s"],
                                      "tok_per_s_every_rank": conc.get(h, {}).get("tok_per_s")}
-                                 for h, r in alone.items()}
+                                 for h, rows in fit.items() if rows for r in rows[-1:]}
         or unknown(c.cal_why or f"no sweep row at or below batch {c.per_rank}"),
         "workload_distribution": {h: n / c.world for h, n in c.nodes.items()},
         "macos_qos_api": "not set: the trainer runs at the default QoS class",
-        "calibration_notes": "; ".join(notes) if cal else unknown(c.cal_why),
+        "calibration_notes": "; ".join(notes + [f"link share {cal.get('link_share')}, shared machine "
+                                                f"{cal.get('shared_machine')}"]) if cal else unknown(c.cal_why),
         "calibration_file": cal["file"] if cal else unknown(c.cal_why)},
         "worker_consistency": {
-        "validation_checks": [f"check-parity {n}" for n in names], "consistency_threshold": 1.0,
+        "validation_checks": [f"check-parity {n}" for n in CONSISTENCY], "consistency_threshold": 1.0,
         "script_hash": sha256_file(paths.ROOT / "bin" / "train.py"),
-        "is_consistent": unknown(p.get("error") or p["stale"]) if "error" in p or p.get("stale") else not bad,
+        "is_consistent": verdict(c.checks["worker_consistency"]),
         "divergent_workers": unknown(p["error"]) if "error" in p else bad,
         "byzantine_detection": {"enabled": False, "reason": "every host must match exactly; one that differs "
                                 "is fixed (make sync / make provision), never outvoted"}},
@@ -277,75 +248,77 @@ def host_sections(c) -> dict:
             ("smoke", f"{c.world} ranks form the group, a checkpoint lands and verifies, a resume continues"),
             ("train", f"the run, checkpoints every {c.cfg['save_every']} steps"),
             ("control", "the single-host control on the same data, seed and global batch"),
-            ("compare", f"test loss within {100 * c.tolerance:g}% of the control's, speedup over "
-                        f"{c.min_speedup:g}x"))]}
+            ("compare", f"test loss within {100 * DEFAULT_TOLERANCE:g}% of the control's, speedup over "
+                        f"{c.args.min_speedup:g}x"))]}
 
 
 def check(name: str, status: str, detail: str, fix: str = "") -> dict:
     return {"name": name, "status": status, "detail": detail, "fix_command": "" if status == "pass" else fix}
 
 
+def verdict(x: dict):
+    """A check as a plan value: true when it passed, false when it failed, else unknown with its detail."""
+    return unknown(x["detail"], {"pass": True, "fail": False}.get(x["status"]))
+
+
+def parity_rows(c, names: tuple) -> list[dict]:
+    """check-parity's rows named in `names` (or under one of them)."""
+    return [x for x in c.parity.get("checks", []) if {x["name"], x["name"].split(".")[0]} & set(names)]
+
+
 def parity_layer(c, name: str, names: tuple, fix: str) -> dict:
-    """Passes when check-parity's rows of `names` (or under them) passed on every host."""
-    p = c.parity
-    bad = [x for x in p.get("checks", [])
-           if x["status"] == "fail" and {x["name"], x["name"].split(".")[0]} & set(names)]
-    if bad:
+    """Passes when check-parity's rows of `names` passed on every host."""
+    p, rows = c.parity, parity_rows(c, names)
+    if bad := [x for x in rows if x["status"] == "fail"]:
         return check(name, "fail", "; ".join(f"{x['host']} {x['name']}: {x['detail']}" for x in bad[:4]), fix)
-    if "error" in p or p.get("stale"):
-        return check(name, "unknown", p.get("error") or p["stale"], c.cmd["check-parity"])
-    where = f"{', '.join(c.hf.unique_ssh())} ({p['file']}, {p['ts']})"
-    return check(name, "pass", f"{', '.join(names)} pass on {where}")
+    if "error" in p or p.get("stale") or not rows:
+        return check(name, "unknown", p.get("error") or p.get("stale") or f"check-parity reported no "
+                     f"{'/'.join(names)} row", c.cmd["check-parity"])
+    return check(name, "pass", f"{', '.join(names)} pass on {', '.join(c.hf.unique_ssh())} ({p['file']}, {p['ts']})")
 
 
 def preflight(c) -> list[dict]:
-    """One check per layer of LAYERS, each with the command that fixes it."""
-    cal, p, rec = c.cal or {}, c.parity, (c.cal or {}).get("recommendation", {})
-    pc, cc, sc = c.cmd["check-parity"], c.cmd["calibrate"], c.cmd["sync"]
-    out = [check("hardware_layer", "unknown", c.fits["unknown"], cc) if isinstance(c.fits, dict) else
-           check("hardware_layer", "pass", f"per-rank batch {c.per_rank} fits every host (largest measured "
-                 f"{rec['fits_memory_cap']}; {cal['file']})") if c.fits else
-           check("hardware_layer", "fail", f"per-rank batch {c.per_rank} does not fit: {rec['why']}",
-                 f"edit {c.args.config}: batch_size {rec['config_batch_size']}, grad_accumulation_steps "
-                 f"{rec['config_grad_accumulation_steps']}")]
-    out.append(parity_layer(c, "worker_layer", ("ssh", "runtime", "link"), pc))
-    unsure = p.get("error") or p.get("stale")
-    out.append(check("health_check", "fail" if p.get("code") in (2, 3) else "unknown" if unsure else "pass",
-                     unsure or f"check-parity {p['status']} (exit {p['code']})", pc))
-    out.append(parity_layer(c, "worker_consistency", ("code", "model", "dataset", "runtime"),
-                            f"{sc} (or make provision)"))
-    out.append(parity_layer(c, "checkpoint_layer", ("resources.disk",), f"free disk at REMOTE_ROOT; {pc}")
-               if any(x["name"] == "resources.disk" for x in p.get("checks", [])) else
-               check("checkpoint_layer", "unknown", p.get("error", "check-parity reported no disk row"), pc))
-    problems = [f"{k} {c.cfg[k]} is not a multiple of grad_accumulation_steps"
-                for k in ("save_every", "iters") if c.cfg[k] % c.cfg["grad_accumulation_steps"]]
-    problems += [] if c.per_rank else [f"batch_size {c.cfg['batch_size']} is not divisible by {c.world}"]
-    out.append(check("gradient_layer", "fail" if problems else "pass", "; ".join(problems) or f"global batch "
-                     f"{c.global_batch} over {c.world} ranks ({c.per_rank} per rank per micro-step)",
-                     f"edit {c.args.config}"))
-    exp = cal.get("expected_speedup")
-    out.append(check("performance_layer", "unknown", c.cal_why or cal["unknown"]["expected_speedup"], cc)
-               if exp is None else
-               check("performance_layer", "pass" if exp > c.min_speedup else "fail", f"expected speedup "
-                     f"{exp:.2f}x vs the required {c.min_speedup:g}x ({cal['file']})",
-                     f"see RUNBOOK.md#{CATEGORIES[THUNDER]}; then {cc}"))
+    """One check per layer of LAYERS, in that order, each with the command that fixes it."""
+    cal, p, cfg, n = c.cal, c.parity, c.cfg, c.per_rank
+    rec, pc, cc, sc = cal.get("recommendation", {}), c.cmd["check-parity"], c.cmd["calibrate"], c.cmd["sync"]
+    cap, edit = rec.get("fits_memory_cap"), f"edit {c.args.config}"
+    split = "" if n else f"batch_size {cfg['batch_size']} is not divisible by {c.world}"
+    why = c.cal_why or rec.get("error") or split
+    if not why and n > cap and rec["fits_memory_cap_kind"] != "measured":
+        why = f"{cal['file']}: batch {cap} fits and larger ones were not measured: {c.calibrate_longer}"
+    problems = [f"{k} {cfg[k]} is not a multiple of grad_accumulation_steps"
+                for k in ("save_every", "iters") if cfg[k] % cfg["grad_accumulation_steps"]]
+    problems += [split] if split else []
+    exp, unsure = cal.get("expected_speedup"), p.get("error") or p.get("stale")
     verified = {h["host"] for h in c.sync.get("hosts", []) if h.get("verified")}
-    ok = c.sync.get("ok") and verified >= set(c.hf.unique_ssh())
-    out.append(check("pre_rdma_sync", "pass" if ok else "fail", f"sync at {c.sync.get('ts')}: verified on "
-                     f"{sorted(verified)}", sc) if c.sync else
-               check("pre_rdma_sync", "unknown", f"no sync for run {c.args.run} yet", sc))
-    return sorted(out, key=lambda x: LAYERS.index(x["name"]))
+    return [
+        check("hardware_layer", "unknown", why, cc) if why else
+        check("hardware_layer", "pass", f"per-rank batch {n} fits every host (largest measured {cap}; "
+              f"{cal['file']})") if n <= cap else
+        check("hardware_layer", "fail", f"per-rank batch {n} does not fit: {rec['why']}", f"{edit}: batch_size "
+              f"{rec['config_batch_size']}, grad_accumulation_steps {rec['grad_accumulation_steps']}"),
+        parity_layer(c, "worker_layer", ("ssh", "runtime", "link"), pc),
+        parity_layer(c, "checkpoint_layer", ("resources.disk",), f"free disk at REMOTE_ROOT; {pc}"),
+        check("gradient_layer", "fail" if problems else "pass", "; ".join(problems) or f"global batch "
+              f"{c.global_batch} over {c.world} ranks ({n} per rank per micro-step)", edit),
+        check("performance_layer", "unknown", c.cal_why or cal["speedup"]["unknown"], cc) if exp is None else
+        check("performance_layer", "pass" if exp > c.args.min_speedup else "fail", f"expected speedup {exp:.2f}x vs "
+              f"the required {c.args.min_speedup:g}x ({cal['file']})", f"see RUNBOOK.md#{CATEGORIES[THUNDER]}; then {cc}"),
+        check("health_check", "fail" if p.get("code") in (2, 3) else "unknown" if unsure else "pass",
+              unsure or f"check-parity {p['status']} (exit {p['code']})", pc),
+        check("pre_rdma_sync", "pass" if c.sync.get("ok") and verified >= set(c.hf.unique_ssh()) else "fail",
+              f"sync at {c.sync.get('ts')}: verified on {sorted(verified)}", sc) if c.sync else
+        check("pre_rdma_sync", "unknown", f"no sync for run {c.args.run} yet", sc),
+        parity_layer(c, "worker_consistency", CONSISTENCY, f"{sc} (or make provision)")]
 
 
 def build_plan(args) -> dict:
     c = gather(args)
-    checks = preflight(c)
-    statuses = {x["status"] for x in checks}
-    overall = next(s for s in ("fail", "unknown", "pass") if s in statuses or s == "pass")
-    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    checks = list(c.checks.values())
+    overall = next((s for s in ("fail", "unknown") if any(x["status"] == s for x in checks)), "pass")
     plan = {"version": VERSION,
-            "generated": {"created": created, "tool": "bin/plan.py", "git": launch.git_info(),
-                          "command": c.cmd["plan"]},
+            "generated": {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tool": "bin/plan.py",
+                          "git": launch.git_info(), "command": c.cmd["plan"]},
             "sources": {"hostfile": {"path": args.hostfile, "sha256": sha256_file(args.hostfile)},
                         "config": {"path": args.config, "sha256": sha256_file(args.config)},
                         "model_sha256": c.model_sha,
@@ -377,11 +350,7 @@ def main() -> int:
               fix=json.dumps(x["fix_command"]) if x["fix_command"] else "-")
     for u in plan["unknowns"]:
         event("plan-unknown", field=u["field"], reason=json.dumps(u["reason"]))
-    event("plan", file=paths.rel(path), overall_status=pf["overall_status"],
-          world_size=plan["strategy"]["total_gpus"],
-          per_gpu_batch_size=json.dumps(plan["batch_configuration"]["per_gpu_batch_size"]),
-          expected_speedup=json.dumps(plan["performance_targets"]["expected_speedup"]),
-          unknowns=len(plan["unknowns"]))
+    event("plan", file=paths.rel(path), overall_status=pf["overall_status"], unknowns=len(plan["unknowns"]))
     if args.strict and pf["overall_status"] != "pass":
         return die(RunbookError(f"pre-flight {pf['overall_status']}: see the plan-check lines", ANCHOR), 1)
     return 0

@@ -99,7 +99,7 @@ def stepper(model):
 
     cfg = C.load_config(ROOT / "configs" / "smoke.yaml")
     cfg.update(model=str(ROOT / MODEL), max_seq_length=32)
-    return cal.Stepper(cfg)
+    return cal.stepper(cfg)
 
 
 def sweep_spec(**kw):
@@ -111,7 +111,7 @@ def test_the_stepper_runs_the_trainers_compiled_step(stepper):
     from mlx.utils import tree_flatten
 
     before = {k: mx.array(v) for k, v in tree_flatten(stepper.model.trainable_parameters())}
-    row = stepper.measure(2, 1)
+    row = cal.measure_batch(stepper, 2, 1)
     after = dict(tree_flatten(stepper.model.trainable_parameters()))
     assert any(not mx.array_equal(before[k], after[k]).item() for k in before)  # the optimizer updated LoRA
     assert row["tokens_per_step"] == 2 * 31 and stepper.trainable_params == sum(v.size for v in before.values())
@@ -119,7 +119,7 @@ def test_the_stepper_runs_the_trainers_compiled_step(stepper):
 
 
 def test_compute_sweep_measures_up_to_max_batch(stepper):
-    out = cal.compute_sweep(stepper, sweep_spec(), lambda r: None)
+    out = cal.compute_sweep(stepper, sweep_spec())
     assert [r["batch"] for r in out["sweep"]] == [1, 2, 3, 4]  # powers of two plus the config's sizes
     assert out["stopped"]["reason"] == "max_batch" and out["memory_ceiling_bytes"] > 0
     for r in out["sweep"]:
@@ -129,9 +129,9 @@ def test_compute_sweep_measures_up_to_max_batch(stepper):
 
 
 def test_compute_sweep_stops_at_the_memory_ceiling_and_the_time_budget(stepper):
-    out = cal.compute_sweep(stepper, sweep_spec(mem_fraction=1e-9), lambda r: None)
+    out = cal.compute_sweep(stepper, sweep_spec(mem_fraction=1e-9))
     assert out["stopped"]["reason"] == "memory" and len(out["sweep"]) == 1 and out["sweep"][0]["over_memory"]
-    out = cal.compute_sweep(stepper, sweep_spec(budget_s=1e-3), lambda r: None)
+    out = cal.compute_sweep(stepper, sweep_spec(budget_s=1e-3))
     assert out["stopped"]["reason"] == "time" and len(out["sweep"]) == 1
     assert "s of the 0.001 s budget left" in out["stopped"]["detail"]
 
