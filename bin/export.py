@@ -77,8 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", action="append", default=[], metavar="FROM=TO", help="e.g. human=user")
     for key, kind in FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), type=kind, help=f"configs/export.yaml's {key}")
-    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4),
-                   help="processes (the output is the same)")
+    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4), help="processes (same output)")
     return p
 
 
@@ -149,27 +148,24 @@ def corpus_files(patterns: list[str], out: Path) -> list[dict]:
     if any(r.is_relative_to(out.resolve()) for r in found):
         raise fail(f"a corpus file is inside the output folder {out}: export to another DATASET",
                    "export-no-input")
-    sources = []
-    for f in sorted(found.values(), key=paths.rel):
-        with open(f, "rb") as fh:
-            is_gzip = fh.read(2) == b"\x1f\x8b"
-        sources.append({"path": paths.rel(f), "sha256": sha256_file(f), "bytes": f.stat().st_size,
-                        "gzip": is_gzip, "file": f})
-    return sources
+    return [{"path": paths.rel(f), "sha256": sha256_file(f), "bytes": f.stat().st_size, "file": f}
+            for f in sorted(found.values(), key=paths.rel)]
 
 
 def tasks(sources: list[dict], limit: int):
     """(file path, line number before the chunk, CHUNK lines) of every file; a line over `limit` bytes is
-    cut to limit + 1 and the rest skipped, never held. Counts src["lines"]."""
+    cut to limit + 1 and the rest skipped, never held. Sets src["lines"] and src["gzip"] (told by content)."""
     for src in sources:
         n, chunk = 0, []
         try:
-            with open(src["file"], "rb") as raw, (gzip.GzipFile(fileobj=raw) if src["gzip"] else raw) as f:
+            with open(src["file"], "rb") as raw:
+                src["gzip"] = raw.peek(2)[:2] == b"\x1f\x8b"
+                f = gzip.GzipFile(fileobj=raw) if src["gzip"] else raw
                 while line := f.readline(limit + 1):
                     if line[-1:] != b"\n" and len(line) > limit:
                         while (rest := f.readline(1 << 20)) and rest[-1:] != b"\n":
                             pass
-                    chunk.append(line[:-1] if line[-1:] == b"\n" else line)
+                    chunk.append(line.removesuffix(b"\n"))
                     if len(chunk) == CHUNK:
                         yield src["path"], n, chunk
                         n, chunk = n + CHUNK, []
@@ -469,10 +465,9 @@ def export(out: Path, sources: list[dict], s: dict, workers: int) -> dict:
                        f"{s['max_reject_ratio']:g} x input = {limit:g}; every rejected line (file, line, "
                        f"reason) is in {paths.rel(failed)}: fix the corpus, remap fields (--field), or raise "
                        "max_reject_ratio knowingly", "export-too-many-rejects")
-        if not all(c[k] for k in SPLITS):
-            raise fail(f"split(s) {', '.join(k for k in SPLITS if not c[k])} would be empty with "
-                       f"{c['exported']} exported records and ratios "
-                       f"{'/'.join(f'{float(v):g}' for v in s['ratios'].values())}: add records or raise "
+        if empty := [k for k in SPLITS if not c[k]]:
+            raise fail(f"split(s) {', '.join(empty)} would be empty with {c['exported']} exported records and "
+                       f"ratios {'/'.join(f'{float(v):g}' for v in s['ratios'].values())}: add records or raise "
                        "those ratios", "export-empty-split")
         m = build_manifest(out.name, sources, r, s)
         (tmp / "manifest.json").write_text(atomic.dumps_json(m), encoding="utf-8")
