@@ -18,7 +18,6 @@ import gzip
 import json
 import multiprocessing
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -382,8 +381,8 @@ def reject_line(fname: str, n: int, raw: bytes, reason: str, detail: str) -> byt
 def build_manifest(name: str, sources: list[dict], r: dict, s: dict) -> dict:
     bounds, settings = Shaper(s).bounds, as_json(s)
     return {
-        "dataset": name, "derived": r["derived"], "files": r["files"], "settings": settings,
-        "exporter": {"script": "bin/export.py", "version": EXPORTER_VERSION, "script_sha256": sha256_file(__file__)},
+        "dataset": name, "derived": r["derived"], "files": r["files"], "settings": settings, "exporter": {
+            "script": "bin/export.py", "version": EXPORTER_VERSION, "script_sha256": sha256_file(__file__)},
         "counts": r["counts"], "rejects_by_reason": {k: v for k, v in r["by_reason"].items() if v},
         "dataset_sha256": digest_of({f"{k}.jsonl": r["files"][f"{k}.jsonl"]["sha256"] for k in SPLITS}),
         "split": {"key": "record_id", "ratios": settings["ratios"], "train_below": bounds[0].hex(),
@@ -429,9 +428,9 @@ def lock_and_clean(out: Path):
     except BlockingIOError:
         raise fail(f"another export of {paths.rel(out)} is running: wait for it (`fuser "
                    f"{paths.rel(out.parent)}/.{out.name}.lock`)", "export-locked") from None
-    for p in sorted(out.parent.glob(f".{glob.escape(out.name)}.*")):
-        if not (p.is_dir() and re.fullmatch(rf"\.{re.escape(out.name)}\.(\w{{8}}\.tmp|old\.\d+)", p.name)):
-            continue
+    name = glob.escape(out.name)  # atomic_dir's names: .NAME.<8 characters>.tmp, .NAME.old.<pid>
+    for p in sorted(p for p in [*out.parent.glob(f".{name}.????????.tmp"), *out.parent.glob(f".{name}.old.*")]
+                    if p.is_dir()):
         if p.name.endswith(".tmp") or out.exists():
             shutil.rmtree(p, ignore_errors=True)
             event("export_cleanup", removed=paths.rel(p), why="left by an interrupted export")
@@ -451,8 +450,9 @@ def export(out: Path, sources: list[dict], s: dict, workers: int) -> dict:
             raise fail(f"the corpus has no lines ({', '.join(x['path'] for x in sources)}): pass the right "
                        "CORPUS", "export-no-input")
         event("export_counts", **c)
-        ok = ["ok" if x else "MISMATCH" for x in (c["input"] == c["exported"] + c["rejected"] + c["duplicates"],
-                                                  c["exported"] == c["train"] + c["valid"] + c["test"])]
+        ok = ["ok" if x else "MISMATCH" for x in (
+            c["input"] == c["exported"] + c["rejected"] + c["duplicates"],
+            c["exported"] == c["train"] + c["valid"] + c["test"])]
         print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + "
               f"duplicates {c['duplicates']} {ok[0]}; exported {c['exported']} = train {c['train']} + valid "
               f"{c['valid']} + test {c['test']} {ok[1]}", flush=True)
@@ -466,9 +466,9 @@ def export(out: Path, sources: list[dict], s: dict, workers: int) -> dict:
                        f"reason) is in {paths.rel(failed)}: fix the corpus, remap fields (--field), or raise "
                        "max_reject_ratio knowingly", "export-too-many-rejects")
         if empty := [k for k in SPLITS if not c[k]]:
-            raise fail(f"split(s) {', '.join(empty)} would be empty with {c['exported']} exported records and "
-                       f"ratios {'/'.join(f'{float(v):g}' for v in s['ratios'].values())}: add records or raise "
-                       "those ratios", "export-empty-split")
+            ratios = "/".join(f"{float(v):g}" for v in s["ratios"].values())
+            raise fail(f"split(s) {', '.join(empty)} would be empty with {c['exported']} exported records and"
+                       f" ratios {ratios}: add records or raise those ratios", "export-empty-split")
         m = build_manifest(out.name, sources, r, s)
         (tmp / "manifest.json").write_text(atomic.dumps_json(m), encoding="utf-8")
     failed.unlink(missing_ok=True)
