@@ -312,9 +312,8 @@ def init_worker(parent: int) -> None:
 
 # ---- the export: first duplicate wins, every line accounted for ---------------------------------
 def run_export(sources: list[dict], tmp: Path, s: dict, workers: int = 1) -> dict:
-    """Every line of the sources into tmp/{train,valid,test,rejects}.jsonl; returns the facts. A process
-    pool shapes the chunks (2 per worker in flight); this process takes their results in input order,
-    so the output does not depend on `workers`."""
+    """Every line into tmp/{train,valid,test,rejects}.jsonl; returns the facts. Workers shape the chunks (2
+    each in flight); this process takes the results in input order, so `workers` changes nothing."""
     outs = {k: open(tmp / f"{k}.jsonl", "wb") for k in (*SPLITS, "rejects")}
     rids, contents, procs, pending, by_reason = {}, set(), set(), [], dict.fromkeys(REASONS, 0)
     c = dict.fromkeys(("input", "exported", "rejected", "duplicates", *SPLITS), 0)
