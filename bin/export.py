@@ -216,8 +216,8 @@ class Shaper:
             out.append((self.roles[role], text(msg.get(f["content"]), f"message {i} {f['content']}")))
         turns = [role for role, _ in out[int(out[0][0] == "system"):]]
         if not turns or turns != ["user", "assistant"] * (len(turns) // 2):
-            raise Reject("role_order", f"roles {'/'.join(r for r, _ in out)}: an optional system first, then "
-                         "user/assistant in turn, the assistant's last")
+            raise Reject("role_order", f"roles {'/'.join(r for r, _ in out)}: want an optional system, then "
+                         "user and assistant in turn, ending with assistant")
         return out
 
     def turns(self, obj: dict) -> list[tuple[str, str]]:
