@@ -18,7 +18,6 @@ import gzip
 import json
 import multiprocessing
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -30,6 +29,7 @@ from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
 from fractions import Fraction
 from functools import partial
 from hashlib import sha256
+from itertools import chain
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -76,8 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", action="append", default=[], metavar="FROM=TO", help="e.g. human=user")
     for key, kind in FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), type=kind, help=f"configs/export.yaml's {key}")
-    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4),
-                   help="processes (the output is the same)")
+    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4), help="processes (same output)")
     return p
 
 
@@ -104,7 +103,7 @@ def resolve_settings(args) -> dict:
     r, mrr = {k: number(ratios.get(k)) for k in SPLITS}, number(s["max_reject_ratio"])
     fields, roles, unknown = s["fields"], s["roles"], sorted(set(s) - set(DEFAULTS))
     odd = sorted(set(fields) - set(FIELDS)) if isinstance(fields, dict) else [repr(fields)]
-    checks = [  # (wrong?, what it must be)
+    bad = [what for wrong, what in [
         (unknown, f"unknown key(s) {', '.join(unknown)} (known: {', '.join(DEFAULTS)})"),
         (odd, f"unknown canonical field(s) {', '.join(odd)} (fields maps canonical names to the corpus's, "
               f"e.g. {{text: body}}; known: {', '.join(FIELDS)})"),
@@ -114,8 +113,8 @@ def resolve_settings(args) -> dict:
         (mrr is None or not 0 <= mrr <= 1, "max_reject_ratio must be a number within 0..1"),
         (type(s["max_chars"]) is not int or s["max_chars"] <= 0, "max_chars must be a positive integer"),
         (not isinstance(s["text_system_prompt"], str) or not str(s["text_user_prompt"]).strip(),
-         "text_system_prompt must be a string and text_user_prompt a non-empty string")]
-    if bad := [what for wrong, what in checks if wrong]:
+         "text_system_prompt must be a string and text_user_prompt a non-empty string")] if wrong]
+    if bad:
         where = f"{args.config} or the command line" if args.config else "the command line"
         raise fail(f"{where}: {'; '.join(bad)}", "export-bad-settings")
     return {**s, "ratios": {k: r[k] / sum(r.values()) for k in SPLITS}, "max_reject_ratio": float(mrr)}
@@ -136,8 +135,7 @@ def as_json(s: dict) -> dict:
 
 # ---- the corpus files ---------------------------------------------------------------------------
 def corpus_files(patterns: list[str], out: Path) -> list[dict]:
-    """Per file (the given paths and glob matches, sorted): its path (repo-relative inside the repo),
-    sha256 and size as stored, and whether it is gzip'd (told by content)."""
+    """Per file (given or matched, sorted): path (repo-relative inside the repo), sha256, size, gzip'd."""
     found: dict[Path, Path] = {}
     for pat in patterns:
         matches = [Path(m) for m in glob.glob(pat, recursive=True)] if glob.has_magic(pat) else [Path(pat)]
@@ -149,27 +147,24 @@ def corpus_files(patterns: list[str], out: Path) -> list[dict]:
     if any(r.is_relative_to(out.resolve()) for r in found):
         raise fail(f"a corpus file is inside the output folder {out}: export to another DATASET",
                    "export-no-input")
-    sources = []
-    for f in sorted(found.values(), key=paths.rel):
-        with open(f, "rb") as fh:
-            is_gzip = fh.read(2) == b"\x1f\x8b"
-        sources.append({"path": paths.rel(f), "sha256": sha256_file(f), "bytes": f.stat().st_size,
-                        "gzip": is_gzip, "file": f})
-    return sources
+    return [{"path": paths.rel(f), "sha256": sha256_file(f), "bytes": f.stat().st_size, "file": f}
+            for f in sorted(found.values(), key=paths.rel)]
 
 
 def tasks(sources: list[dict], limit: int):
     """(file path, line number before the chunk, CHUNK lines) of every file; a line over `limit` bytes is
-    cut to limit + 1 and the rest skipped, never held. Counts src["lines"]."""
+    cut to limit + 1 and the rest skipped, never held. Sets src["lines"] and src["gzip"] (told by content)."""
     for src in sources:
         n, chunk = 0, []
         try:
-            with open(src["file"], "rb") as raw, (gzip.GzipFile(fileobj=raw) if src["gzip"] else raw) as f:
+            with open(src["file"], "rb") as raw:
+                src["gzip"] = raw.peek(2)[:2] == b"\x1f\x8b"
+                f = gzip.GzipFile(fileobj=raw) if src["gzip"] else raw
                 while line := f.readline(limit + 1):
                     if line[-1:] != b"\n" and len(line) > limit:
                         while (rest := f.readline(1 << 20)) and rest[-1:] != b"\n":
                             pass
-                    chunk.append(line[:-1] if line[-1:] == b"\n" else line)
+                    chunk.append(line.removesuffix(b"\n"))
                     if len(chunk) == CHUNK:
                         yield src["path"], n, chunk
                         n, chunk = n + CHUNK, []
@@ -219,13 +214,10 @@ class Shaper:
                 raise Reject("role_order", f"message {i} has role {role!r}, not system/user/assistant "
                              "(map it with --role FROM=TO)")
             out.append((self.roles[role], text(msg.get(f["content"]), f"message {i} {f['content']}")))
-        start = int(out[0][0] == "system")
-        for i, (role, _) in enumerate(out[start:], start):
-            if role != ("user", "assistant")[(i - start) % 2]:
-                raise Reject("role_order", f"message {i} is {role}: an optional system first, then "
-                             "user/assistant in turn")
-        if out[-1][0] != "assistant":
-            raise Reject("role_order", "no final assistant turn (the last message must be the assistant's)")
+        turns = [role for role, _ in out[int(out[0][0] == "system"):]]
+        if not turns or turns != ["user", "assistant"] * (len(turns) // 2):
+            raise Reject("role_order", f"roles {'/'.join(r for r, _ in out)}: want an optional system, then "
+                         "user and assistant in turn, ending with assistant")
         return out
 
     def turns(self, obj: dict) -> list[tuple[str, str]]:
@@ -308,36 +300,48 @@ class Shaper:
 
 def init_worker(parent: int) -> None:
     """A pool worker: signals are the exporter's; it leaves when the exporter is gone (even SIGKILLed)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
-
-
-def watch_parent(pid: int) -> None:
-    while os.getppid() == pid:
-        time.sleep(0.5)
-    os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
 
 
 # ---- the export: first duplicate wins, every line accounted for ---------------------------------
 def run_export(sources: list[dict], tmp: Path, s: dict, workers: int = 1) -> dict:
-    """Every line of the sources into tmp/{train,valid,test,rejects}.jsonl; returns the facts. A process
-    pool shapes the chunks (2 per worker in flight); this process takes their results in input order,
-    so the output does not depend on `workers`."""
-    r = {"outs": {k: open(tmp / f"{k}.jsonl", "wb") for k in (*SPLITS, "rejects")}, "rids": {},
-         "contents": set(), "workers": set(), "by_reason": dict.fromkeys(REASONS, 0),
-         "counts": dict.fromkeys(("input", "exported", "rejected", "duplicates", *SPLITS), 0),
-         "derived": dict.fromkeys(("record_id", "weight", "source"), 0)}
-    shaper, workers, pending = Shaper(s), max(workers, 1), []
+    """Every line into tmp/{train,valid,test,rejects}.jsonl; returns the facts. Workers shape the chunks (2
+    each in flight); this process takes the results in input order, so `workers` changes nothing."""
+    outs = {k: open(tmp / f"{k}.jsonl", "wb") for k in (*SPLITS, "rejects")}
+    rids, contents, procs, pending, by_reason = {}, set(), set(), [], dict.fromkeys(REASONS, 0)
+    c = dict.fromkeys(("input", "exported", "rejected", "duplicates", *SPLITS), 0)
+    derived = dict.fromkeys(("record_id", "weight", "source"), 0)
+    shaper, workers = Shaper(s), max(workers, 1)
     pool = ProcessPoolExecutor(workers, initializer=init_worker, initargs=(os.getpid(),))
     try:
-        for task in tasks(sources, shaper.limit):
-            pending.append((task, pool.submit(shaper.chunk, *task)))
-            r["workers"].update(multiprocessing.active_children())  # the pool starts them as work arrives
-            while len(pending) > 2 * workers:
-                take(r, *pending.pop(0))
-        while pending:
-            take(r, *pending.pop(0))
+        for task in chain(tasks(sources, shaper.limit), [None]):  # None: take what is left
+            if task:
+                pending.append((task, pool.submit(shaper.chunk, *task)))
+                procs.update(multiprocessing.active_children())  # the pool starts them as work arrives
+            while len(pending) > (2 * workers if task else 0):
+                (fname, base, lines), future = pending.pop(0)
+                for n, rec in enumerate(result_of(future, procs), base + 1):
+                    if len(rec) == 5 and rids.setdefault(rec[2], rec[3]) != rec[3]:
+                        rec = ("record_id_conflict", "this record_id was seen earlier with other messages; "
+                               "give one its own")
+                    if len(rec) == 2:
+                        by_reason[rec[0]] += 1
+                        outs["rejects"].write(reject_line(fname, n, lines[n - base - 1], *rec))
+                    elif rec[3] in contents:
+                        c["duplicates"] += 1
+                    else:
+                        contents.add(rec[3])
+                        c[SPLITS[rec[1]]] += 1
+                        outs[SPLITS[rec[1]]].write(rec[0])
+                        for key in rec[4]:
+                            derived[key] += 1
         pool.shutdown()  # all done: the workers leave before this process goes on
     except BrokenProcessPool:
         for p in multiprocessing.active_children():
@@ -345,71 +349,46 @@ def run_export(sources: list[dict], tmp: Path, s: dict, workers: int = 1) -> dic
         raise fail("an export worker process died (killed; the out-of-memory killer?): export again, with "
                    "fewer --workers if memory is short", "export-crashed") from None
     finally:
-        for f in r["outs"].values():
+        for f in outs.values():
             f.close()
         pool.shutdown(wait=False, cancel_futures=True)
-    c = r["counts"]
-    c.update(input=sum(x["lines"] for x in sources), rejected=sum(r["by_reason"].values()),
+    c.update(input=sum(x["lines"] for x in sources), rejected=sum(by_reason.values()),
              exported=c["train"] + c["valid"] + c["test"])
-    files = {k: tmp / f"{k}.jsonl" for k in r.pop("outs")}
-    r["files"] = {f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size,
-                           "records": c.get(k, c["rejected"])} for k, f in files.items()}
-    return r
+    files = {f"{k}.jsonl": {"sha256": sha256_file(f.name), "bytes": os.path.getsize(f.name),
+                            "records": c.get(k, c["rejected"])} for k, f in outs.items()}
+    return {"counts": c, "by_reason": by_reason, "derived": derived, "files": files}
 
 
-def result_of(future, workers: set) -> list:
+def result_of(future, procs: set) -> list:
     """The chunk's records. A worker killed while it sends its result leaves half a message in the pipe,
-    and ProcessPoolExecutor then waits for the rest for ever (CPython 3.11): so look at the workers every
-    second."""
+    and ProcessPoolExecutor then waits for the rest for ever (CPython 3.11): so look at the workers."""
     while True:
         try:
             return future.result(timeout=1)
         except TimeoutError:
-            if any(p.exitcode is not None for p in workers):
+            if any(p.exitcode is not None for p in procs):
                 raise BrokenProcessPool from None
 
 
-def take(r: dict, task: tuple, future) -> None:
-    """Write one chunk's records (those not seen before) and rejects."""
-    (fname, base, lines), outs, rids, contents, c = task, r["outs"], r["rids"], r["contents"], r["counts"]
-    for n, rec in enumerate(result_of(future, r["workers"]), base + 1):
-        if len(rec) == 5 and rids.setdefault(rec[2], rec[3]) != rec[3]:
-            rec = ("record_id_conflict", "this record_id was seen earlier with other messages; give one its "
-                   "own")
-        if len(rec) == 2:
-            r["by_reason"][rec[0]] += 1
-            raw = lines[n - base - 1]
-            reject = {"file": fname, "line": n, "reason": rec[0], "detail": rec[1], "raw_bytes": len(raw),
-                      "raw": raw[:RAW_PREFIX].decode("utf-8", "backslashreplace"),
-                      "see": f"RUNBOOK.md#reject-{rec[0]}"}
-            line = json.dumps(reject, ensure_ascii=False) + "\n"
-            outs["rejects"].write(line.encode(errors="backslashreplace"))
-        elif rec[3] in contents:
-            c["duplicates"] += 1
-        else:
-            contents.add(rec[3])
-            c[SPLITS[rec[1]]] += 1
-            outs[SPLITS[rec[1]]].write(rec[0])
-            for key in rec[4]:
-                r["derived"][key] += 1
+def reject_line(fname: str, n: int, raw: bytes, reason: str, detail: str) -> bytes:
+    line = json.dumps({"file": fname, "line": n, "reason": reason, "detail": detail, "raw_bytes": len(raw),
+                       "raw": raw[:RAW_PREFIX].decode("utf-8", "backslashreplace"),
+                       "see": f"RUNBOOK.md#reject-{reason}"}, ensure_ascii=False)
+    return (line + "\n").encode(errors="backslashreplace")
 
 
 def build_manifest(name: str, sources: list[dict], r: dict, s: dict) -> dict:
-    bounds = Shaper(s).bounds
+    bounds, settings = Shaper(s).bounds, as_json(s)
     return {
-        "dataset": name,
-        "exporter": {"script": "bin/export.py", "version": EXPORTER_VERSION,
-                     "script_sha256": sha256_file(__file__)},
+        "dataset": name, "derived": r["derived"], "files": r["files"], "settings": settings, "exporter": {
+            "script": "bin/export.py", "version": EXPORTER_VERSION, "script_sha256": sha256_file(__file__)},
         "counts": r["counts"], "rejects_by_reason": {k: v for k, v in r["by_reason"].items() if v},
-        "derived": r["derived"], "files": r["files"],
         "dataset_sha256": digest_of({f"{k}.jsonl": r["files"][f"{k}.jsonl"]["sha256"] for k in SPLITS}),
-        "split": {"key": "record_id", "ratios": as_json(s)["ratios"], "train_below": bounds[0].hex(),
+        "split": {"key": "record_id", "ratios": settings["ratios"], "train_below": bounds[0].hex(),
                   "valid_below": bounds[1].hex(), "rule": "h = the first 16 hex digits of sha256(record_id): "
                   "train if h < train_below, else valid if h < valid_below, else test"},
         "sources": [{k: x[k] for k in ("path", "sha256", "bytes", "lines", "gzip")} for x in sources],
-        "corpus_sha256": digest_of({x["path"]: x["sha256"] for x in sources}),
-        "settings": as_json(s),
-    }
+        "corpus_sha256": digest_of({x["path"]: x["sha256"] for x in sources})}
 
 
 # ---- a dataset is bound to its corpus and settings ----------------------------------------------
@@ -448,20 +427,20 @@ def lock_and_clean(out: Path):
     except BlockingIOError:
         raise fail(f"another export of {paths.rel(out)} is running: wait for it (`fuser "
                    f"{paths.rel(out.parent)}/.{out.name}.lock`)", "export-locked") from None
-    for p in sorted(out.parent.glob(f".{glob.escape(out.name)}.*")):
-        if p.is_dir() and re.fullmatch(rf"\.{re.escape(out.name)}\.(\w{{8}}\.tmp|old\.\d+)", p.name):
-            if p.name.endswith(".tmp") or out.exists():
-                shutil.rmtree(p, ignore_errors=True)
-                event("export_cleanup", removed=paths.rel(p), why="left by an interrupted export")
-            else:
-                os.replace(p, out)
-                event("export_cleanup", restored=paths.rel(out), source=paths.rel(p))
+    name = glob.escape(out.name)  # atomic_dir's names: .NAME.<8 characters>.tmp, .NAME.old.<pid>
+    for p in sorted(p for p in [*out.parent.glob(f".{name}.????????.tmp"), *out.parent.glob(f".{name}.old.*")]
+                    if p.is_dir()):
+        if p.name.endswith(".tmp") or out.exists():
+            shutil.rmtree(p, ignore_errors=True)
+            event("export_cleanup", removed=paths.rel(p), why="left by an interrupted export")
+        else:
+            os.replace(p, out)
+            event("export_cleanup", restored=paths.rel(out), source=paths.rel(p))
     return lock
 
 
 def export(out: Path, sources: list[dict], s: dict, workers: int) -> dict:
-    """Export into a temp folder beside `out`, report the counts, and swap it in (or fail leaving `out` as
-    it was); returns the manifest."""
+    """Export into a temp folder beside `out`, report, and swap it in (or fail, `out` as it was)."""
     failed = out.parent / f"{out.name}.failed-rejects.jsonl"
     with atomic.atomic_dir(out) as tmp:
         r = run_export(sources, tmp, s, workers)
@@ -470,7 +449,7 @@ def export(out: Path, sources: list[dict], s: dict, workers: int) -> dict:
             raise fail(f"the corpus has no lines ({', '.join(x['path'] for x in sources)}): pass the right "
                        "CORPUS", "export-no-input")
         event("export_counts", **c)
-        ok = [{True: "ok", False: "MISMATCH"}[x] for x in (
+        ok = ["ok" if x else "MISMATCH" for x in (
             c["input"] == c["exported"] + c["rejected"] + c["duplicates"],
             c["exported"] == c["train"] + c["valid"] + c["test"])]
         print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + "
@@ -485,11 +464,10 @@ def export(out: Path, sources: list[dict], s: dict, workers: int) -> dict:
                        f"{s['max_reject_ratio']:g} x input = {limit:g}; every rejected line (file, line, "
                        f"reason) is in {paths.rel(failed)}: fix the corpus, remap fields (--field), or raise "
                        "max_reject_ratio knowingly", "export-too-many-rejects")
-        if not all(c[k] for k in SPLITS):
-            raise fail(f"split(s) {', '.join(k for k in SPLITS if not c[k])} would be empty with "
-                       f"{c['exported']} exported records and ratios "
-                       f"{'/'.join(f'{float(v):g}' for v in s['ratios'].values())}: add records or raise "
-                       "those ratios", "export-empty-split")
+        if empty := [k for k in SPLITS if not c[k]]:
+            ratios = "/".join(f"{float(v):g}" for v in s["ratios"].values())
+            raise fail(f"split(s) {', '.join(empty)} would be empty with {c['exported']} exported records and"
+                       f" ratios {ratios}: add records or raise those ratios", "export-empty-split")
         m = build_manifest(out.name, sources, r, s)
         (tmp / "manifest.json").write_text(atomic.dumps_json(m), encoding="utf-8")
     failed.unlink(missing_ok=True)

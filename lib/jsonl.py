@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 
@@ -28,16 +27,6 @@ def read(path: os.PathLike | str) -> Iterator[dict]:
 
 def write(f, records: Iterable[Any]) -> int:
     """Write records to an open text file; returns how many."""
-    n = 0
-    for r in records:
-        f.write(dumps(r) + "\n")
-        n += 1
-    return n
-
-
-def append(path: os.PathLike | str, obj: Any) -> None:
-    """Append one event line and flush it (metrics, logs): a crash loses at most this line."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(dumps(obj) + "\n")
-        f.flush()
+    lines = [dumps(r) + "\n" for r in records]
+    f.writelines(lines)
+    return len(lines)

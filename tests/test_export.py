@@ -371,7 +371,7 @@ def test_sigkill_mid_export_leaves_the_old_dataset_loadable(tmp_path, big_corpus
     assert len(train) + len(valid) + len(test) == len(GOOD)
     tokens, _ = train.process(train[0])
     assert len(tokens) > 5
-    # the workers see their stdin close when the exporter dies, and leave
+    # the workers see the exporter gone (their parent changes), and leave
     deadline = time.monotonic() + 15
     while any(Path(f"/proc/{c}").exists() for c in children) and time.monotonic() < deadline:
         time.sleep(0.2)
