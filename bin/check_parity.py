@@ -281,27 +281,39 @@ def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
     return checks + ([model_note(args)] if "content" in GATES[args.gate] and not args.model_local else [])
 
 
-def run_checks(args, deadline: float) -> list[dict]:
-    """The hostfile's row, then every host's checks; refused inputs are one row, before any ssh."""
+def run_checks(args) -> list[dict]:
+    """The hostfile's row, then every host's checks; refused inputs are one row, before any ssh. Bounded by
+    --timeout (SIGALRM); a check that breaks is UNKNOWN (its row comes first), never OK."""
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(int(args.timeout) + 3)
     try:
         hf = validate_inputs(args)
+        hosts, peers = hf.unique_ssh(), parity.peers_of(hf)
+        params = {"python": args.python, "remote_root": args.root, "parts": GATES[args.gate],
+                  "content": args.content, "link_enough_ms": RTT_WARN_MS / 4,
+                  "rdma": hf.backend.startswith("jaccl")}
+        deadline = time.monotonic() + args.timeout  # every probe bounded by it (subprocess timeout)
+        with ThreadPoolExecutor(len(hosts)) as pool:
+            running = {h: pool.submit(parity.probe, h, args.python, dict(params, peers=peers[h]), deadline)
+                       for h in hosts}
+            ref = {"lock": (paths.ROOT / "requirements.lock").read_text(encoding="utf-8")}  # while hosts answer
+            if "content" in GATES[args.gate]:
+                ref.update({name: parity_probe.probe_files(here, parts, hashed)
+                            for name, (here, _, parts, hashed) in args.content.items()})
+            results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
+        summary = f"{hf.backend or 'ring'}, {hf.size} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}"
+        return [check("hostfile", "-", "pass", f"{args.hostfile}: {summary}")] + evaluate(args, hf, ref, results)
     except RunbookError as e:
         return [check("hostfile" if e.anchor == "hostfile" else "inputs", "-", "fail", e.args[0],
                       f"see RUNBOOK.md#{e.anchor}")]
-    hosts, peers = hf.unique_ssh(), parity.peers_of(hf)
-    params = {"python": args.python, "remote_root": args.root, "parts": GATES[args.gate],
-              "content": args.content, "link_enough_ms": RTT_WARN_MS / 4,
-              "rdma": hf.backend.startswith("jaccl")}
-    with ThreadPoolExecutor(len(hosts)) as pool:  # every probe bounded by the deadline (subprocess timeout)
-        running = {h: pool.submit(parity.probe, h, args.python, dict(params, peers=peers[h]), deadline)
-                   for h in hosts}
-        ref = {"lock": (paths.ROOT / "requirements.lock").read_text(encoding="utf-8")}  # while hosts answer
-        if "content" in GATES[args.gate]:
-            ref.update({name: parity_probe.probe_files(here, parts, hashed)
-                        for name, (here, _, parts, hashed) in args.content.items()})
-        results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
-    summary = f"{hf.backend or 'ring'}, {hf.size} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}"
-    return [check("hostfile", "-", "pass", f"{args.hostfile}: {summary}")] + evaluate(args, hf, ref, results)
+    except TimeoutError:
+        return [check("deadline", "-", "fail", f"the check did not finish within {args.timeout:g} s",
+                      "see RUNBOOK.md#parity-ssh")]
+    except Exception as e:
+        return [check("internal", "-", "fail", f"{type(e).__name__}: {e}",
+                      "report it with runs/parity/last.json; see RUNBOOK.md#parity-unknown")]
+    finally:
+        signal.alarm(0)
 
 
 def code_of(checks: list[dict]) -> int:
@@ -314,29 +326,21 @@ def perf_label(label: str) -> str:
     return label if plain else "'" + label.replace("'", "''") + "'"
 
 
-def plugin_line(result: dict, args) -> str:
-    """`PARITY <STATUS> - <summary> | <perfdata>` (Nagios plugin guidelines): which gate failed, and where."""
-    rows, summary, gates = result["checks"], [], GATES[args.gate]
-    for part in ("runtime", "content"):
+def print_table(result: dict, args) -> None:
+    """`PARITY <STATUS> - <summary> | <perfdata>` (Nagios plugin guidelines: which gate failed, and where),
+    a row per check with its fix, then the status line."""
+    rows, summary, gates, n = result["checks"], [], GATES[args.gate], Counter(c["status"] for c in result["checks"])
+    for part in ("runtime", "content") if result["code"] != 3 else ():
         mine = [c for c in rows if (c["name"] in ("code", "model", "dataset")) == (part == "content")]
         bad = [f"{c['name']} on {c['host']}" for c in mine if c["status"] != "pass"]
         where = f" ({', '.join(bad[:4])}{f', +{len(bad) - 4} more' if len(bad) > 4 else ''})" if bad else ""
-        if bad or (mine and part in gates):
-            summary.append(f"{part} {STATUS[code_of(mine)]}{where}")
-        else:  # a gate not asked for, or one that the hostfile or inputs stopped before it began
-            summary.append(f"{part} not reached" if part in gates else f"{part} not checked (--gate "
-                           f"{args.gate})")
-    summary = [rows[0]["detail"][:200]] if result["code"] == 3 else summary
-    n = Counter(c["status"] for c in rows)
+        summary.append(f"{part} " + (STATUS[code_of(mine)] + where if bad or mine and part in gates else
+                                     "not reached" if part in gates else f"not checked (--gate {args.gate})"))
     perf = [f"duration={result['duration_s']}s;;;0", f"failed={n['fail']};;;0", f"warned={n['warn']};;;0"]
     perf += [f"{perf_label('rtt_' + h)}={ms}ms;;;0" for h, ms in args.rtts.items()]
-    return f"PARITY {result['status']} - " + "; ".join(summary).replace("|", "/") + " | " + " ".join(perf)
-
-
-def print_table(result: dict, args) -> None:
-    rows, n = result["checks"], Counter(c["status"] for c in result["checks"])
+    summary = "; ".join(summary or [rows[0]["detail"][:200]]).replace("|", "/")
+    print(f"PARITY {result['status']} - {summary} | " + " ".join(perf))
     wn, wh = max([len(c["name"]) for c in rows] + [5]), max([len(c["host"]) for c in rows] + [4])
-    print(plugin_line(result, args))
     for c in rows:
         status = c["status"] if c["status"] == "pass" else c["status"].upper()
         print(f"  {status:<6}  {c['name']:<{wn}}  {c['host']:<{wh}}  {c['detail']}")
@@ -350,44 +354,28 @@ def on_alarm(signum, frame):
     raise TimeoutError()
 
 
-def checked(args) -> tuple[list[dict], int]:
-    """(checks, exit code), bounded by --timeout (SIGALRM); a check that breaks is UNKNOWN, never OK."""
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(int(args.timeout) + 3)
-    try:
-        checks = run_checks(args, time.monotonic() + args.timeout)
-        return checks, code_of(checks)
-    except TimeoutError:
-        return [check("deadline", "-", "fail", f"the check did not finish within {args.timeout:g} s",
-                      "see RUNBOOK.md#parity-ssh")], 3
-    except Exception as e:
-        return [check("internal", "-", "fail", f"{type(e).__name__}: {e}",
-                      "report it with runs/parity/last.json; see RUNBOOK.md#parity-unknown")], 3
-    finally:
-        signal.alarm(0)
-
-
 def main() -> int:
     args = build_parser().parse_args()
     t0, state, args.rtts = time.monotonic(), Path(args.state_dir), {}
     args.timeout = args.timeout or (600.0 if args.deep else 20.0)
     state.mkdir(parents=True, exist_ok=True)
+    last = state / ("last.json" if args.gate == "all" else f"last-{args.gate}.json")
     with open(state / ".lock", "a+") as lock:
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another run holds it: say so, touch nothing
             lock.seek(0)
             why = f"another check-parity is running (pid {lock.read().strip() or '?'} holds {lock.name})"
-            checks, code, last = [check("lock", "-", "fail", why + "; this run exits without checking",
-                                        "wait for it to finish; see RUNBOOK.md#parity-lock")], 3, None
+            checks, last = [check("lock", "-", "fail", why + "; this run exits without checking",
+                                  "wait for it to finish; see RUNBOOK.md#parity-lock")], None
         else:
             lock.truncate(0)
             print(os.getpid(), file=lock, flush=True)
-            checks, code = checked(args)
-            last = state / ("last.json" if args.gate == "all" else f"last-{args.gate}.json")
+            checks = run_checks(args)
+        code = 3 if checks[0]["name"] in ("lock", "deadline", "internal") else code_of(checks)
         result = {"status": STATUS[code], "code": code, "checks": checks,
                   "duration_s": round(time.monotonic() - t0, 3), "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        if last is not None:
+        if last:
             atomic.write_json(last, result)
     print(json.dumps(result, sort_keys=True), flush=True) if args.json else print_table(result, args)
     return code
