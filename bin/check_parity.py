@@ -245,31 +245,16 @@ def eval_content(args, h: str, f: dict, ref: dict) -> list[dict]:
     return out
 
 
-def model_note(args) -> dict:
-    """MODEL when there is no local folder to compare: missing here, or a hub id each host resolves."""
-    if args.model.startswith((".", "/", "models/")):
-        return check("model", "local", "fail", f"MODEL {args.model} does not exist here",
-                     "fetch it (make model HF_REPO=...) or set MODEL=; see RUNBOOK.md#parity-model")
-    return check("model", "-", "pass", f"skipped: MODEL {args.model} is a hub id (each host resolves it "
-                 "from its own cache)" if args.model else "skipped: no MODEL")
-
-
 def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
     """The gate's checks for every host from its probe: results[host] = (facts or None, Result, seconds)."""
-    checks, facts, fix = [], {}, args.fix["provision"]
+    checks, facts = [], {}
     for h in hf.unique_ssh():
         f, r, secs = results[h]
-        why = parity.python_failure(args.python, r) if f is None else None
-        if f is None and not why:
-            tail = (r.stderr.strip() or r.stdout.strip())[-300:] or "empty output"
-            checks.append(check("ssh", h, "fail", *parity.ssh_failure(h, r) if not r.ok else (
-                f"ssh works but the probe printed no result: {tail}",
-                "run the probe by hand: see RUNBOOK.md#parity-ssh")))
-            continue
+        name, why, fix = parity.probe_failure(h, args.python, r) if f is None else ("", "", "")
         how = "local (127.0.0.1, like mlx.launch)" if hostfile.is_local(h) else "ssh ok"  # by name: ssh
-        checks.append(check("ssh", h, "pass", f"{how}, round trip {secs:.2f} s"))
-        if why:  # PYTHON is missing or dies: nothing more can be asked of this host
-            checks.append(check("runtime.python", h, "fail", why, fix))
+        checks += [check("ssh", h, "pass", f"{how}, round trip {secs:.2f} s")] if name != "ssh" else []
+        if name:  # ssh failed, or PYTHON is missing or dies: nothing more can be asked of this host
+            checks.append(check(name, h, "fail", why, fix or args.fix["provision"]))
         else:
             facts[h] = f
     for h, f in facts.items():
@@ -278,7 +263,13 @@ def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
             checks += [*eval_resources(args, h, f), *eval_macos(args, h, f, hf), eval_link(args, h, f)]
         if "content" in GATES[args.gate]:
             checks += eval_content(args, h, f, ref)
-    return checks + ([model_note(args)] if "content" in GATES[args.gate] and not args.model_local else [])
+    if "content" in GATES[args.gate] and not args.model_local:  # missing here, or a hub id each host resolves
+        missing = args.model.startswith((".", "/", "models/"))
+        why = (f"MODEL {args.model} does not exist here" if missing else f"skipped: MODEL {args.model} is a "
+               "hub id (each host resolves it from its own cache)" if args.model else "skipped: no MODEL")
+        checks.append(check("model", "local" if missing else "-", not missing, why,
+                            "fetch it (make model HF_REPO=...) or set MODEL=; see RUNBOOK.md#parity-model"))
+    return checks
 
 
 def run_checks(args) -> list[dict]:
@@ -296,13 +287,14 @@ def run_checks(args) -> list[dict]:
         with ThreadPoolExecutor(len(hosts)) as pool:
             running = {h: pool.submit(parity.probe, h, args.python, dict(params, peers=peers[h]), deadline)
                        for h in hosts}
-            ref = {"lock": (paths.ROOT / "requirements.lock").read_text(encoding="utf-8")}  # while hosts answer
+            ref = {"lock": (paths.ROOT / "requirements.lock").read_text("utf-8")}  # while the hosts answer
             if "content" in GATES[args.gate]:
                 ref.update({name: parity_probe.probe_files(here, parts, hashed)
                             for name, (here, _, parts, hashed) in args.content.items()})
             results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
-        summary = f"{hf.backend or 'ring'}, {hf.size} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}"
-        return [check("hostfile", "-", "pass", f"{args.hostfile}: {summary}")] + evaluate(args, hf, ref, results)
+        row = check("hostfile", "-", "pass", f"{args.hostfile}: {hf.backend or 'ring'}, {hf.size} rank(s) on "
+                    f"{len(hosts)} host(s): {', '.join(hosts)}")
+        return [row, *evaluate(args, hf, ref, results)]
     except RunbookError as e:
         return [check("hostfile" if e.anchor == "hostfile" else "inputs", "-", "fail", e.args[0],
                       f"see RUNBOOK.md#{e.anchor}")]
@@ -329,7 +321,8 @@ def perf_label(label: str) -> str:
 def print_table(result: dict, args) -> None:
     """`PARITY <STATUS> - <summary> | <perfdata>` (Nagios plugin guidelines: which gate failed, and where),
     a row per check with its fix, then the status line."""
-    rows, summary, gates, n = result["checks"], [], GATES[args.gate], Counter(c["status"] for c in result["checks"])
+    rows, summary, gates = result["checks"], [], GATES[args.gate]
+    n = Counter(c["status"] for c in rows)
     for part in ("runtime", "content") if result["code"] != 3 else ():
         mine = [c for c in rows if (c["name"] in ("code", "model", "dataset")) == (part == "content")]
         bad = [f"{c['name']} on {c['host']}" for c in mine if c["status"] != "pass"]

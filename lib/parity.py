@@ -51,26 +51,26 @@ def parse_probe_output(stdout: str) -> dict | None:
     return json.loads(lines[-1]) if lines else None
 
 
-def python_failure(python: str, r: Result) -> str | None:
-    """What PROBE_SH said of a PYTHON that is missing or died before printing (its last words), else None."""
-    lines = [ln for ln in (r.stderr or "").strip().splitlines() if ln.strip()]
-    if r.returncode != 97 or not lines or not lines[-1].startswith("@@ "):
-        return None
-    if lines[-1] == "@@ missing":
-        return f"PYTHON {python} does not exist on this host"
-    return f"PYTHON {python} exists but does not run ({lines[-1][3:]}: {' | '.join(lines[-3:-1])[-300:]})"
-
-
-def ssh_failure(host: str, r: Result) -> tuple[str, str]:
-    """(detail, fix) for an ssh call that did not run the remote command."""
+def probe_failure(host: str, python: str, r: Result) -> tuple[str, str, str]:
+    """(check, detail, fix) of a probe that printed no facts: PYTHON missing or dead before printing
+    (PROBE_SH's last words; no fix: the caller's provision), ssh failed, or ssh worked but nothing came."""
     err = (r.stderr or "").strip()
-    last = err.splitlines()[-1][:300] if err else f"exit {r.returncode}"
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    if r.returncode == 97 and lines and lines[-1].startswith("@@ "):
+        why = "does not exist on this host" if lines[-1] == "@@ missing" else (
+            f"exists but does not run ({lines[-1][3:]}: {' | '.join(lines[-3:-1])[-300:]})")
+        return "runtime.python", f"PYTHON {python} {why}", ""
+    if r.ok:
+        tail = (err or r.stdout.strip())[-300:] or "empty output"
+        return "ssh", f"ssh works but the probe printed no result: {tail}", (
+            "run the probe by hand: see RUNBOOK.md#parity-ssh")
+    last = lines[-1][:300] if lines else f"exit {r.returncode}"
     detail, fix = next(((d, f) for pat, d, f in SSH_FAILURES if re.search(pat, err)), (
         f"ssh failed (exit {r.returncode}): {last}", "run it by hand to see why: {ssh} {host} true"))
     detail = f"no answer within the time bound ({last})" if r.timed_out else detail.format(last=last)
     cfg = os.environ.get("SSH_CONFIG")
     fix = fix.format(ssh=shlex.join(["ssh", "-F", cfg]) if cfg else "ssh", host=host)
-    return detail, fix if "RUNBOOK.md#" in fix else fix + "; see RUNBOOK.md#parity-ssh"
+    return "ssh", detail, fix if "RUNBOOK.md#" in fix else fix + "; see RUNBOOK.md#parity-ssh"
 
 
 def lock_pins(text: str, env: dict) -> dict[str, str]:

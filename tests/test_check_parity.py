@@ -331,7 +331,7 @@ def test_peers_ring_and_jaccl():
     ("ssh: Could not resolve hostname mac9: Name or service not known\r\n", "host unreachable"),
 ])
 def test_ssh_failures_are_named_with_a_fix(stderr, expect):
-    detail, fix = parity.ssh_failure("fab2", Result("fab2", 255, "", stderr))
+    _, detail, fix = parity.probe_failure("fab2", PYTHON, Result("fab2", 255, "", stderr))
     assert detail.startswith(expect), detail
     assert "see RUNBOOK.md#parity-ssh" in fix
 
