@@ -287,10 +287,9 @@ def run_checks(args) -> list[dict]:
         with ThreadPoolExecutor(len(hosts)) as pool:
             running = {h: pool.submit(parity.probe, h, args.python, dict(params, peers=peers[h]), deadline)
                        for h in hosts}
-            ref = {"lock": (paths.ROOT / "requirements.lock").read_text("utf-8")}  # while the hosts answer
-            if "content" in GATES[args.gate]:
-                ref.update({name: parity_probe.probe_files(here, parts, hashed)
-                            for name, (here, _, parts, hashed) in args.content.items()})
+            ref = {name: parity_probe.probe_files(here, parts, hashed) for name, (here, _, parts, hashed)
+                   in args.content.items() if "content" in GATES[args.gate]}  # while the hosts answer
+            ref["lock"] = (paths.ROOT / "requirements.lock").read_text("utf-8")
             results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
         row = check("hostfile", "-", "pass", f"{args.hostfile}: {hf.backend or 'ring'}, {hf.size} rank(s) on "
                     f"{len(hosts)} host(s): {', '.join(hosts)}")
@@ -314,8 +313,7 @@ def code_of(checks: list[dict]) -> int:
 
 def perf_label(label: str) -> str:
     """A perfdata label: single-quoted (a quote doubled) unless plain, per the plugin guidelines."""
-    plain = label.isascii() and label.replace("_", "a").isalnum()
-    return label if plain else "'" + label.replace("'", "''") + "'"
+    return label if label.isascii() and label.isidentifier() else "'" + label.replace("'", "''") + "'"
 
 
 def print_table(result: dict, args) -> None:
