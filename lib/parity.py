@@ -96,23 +96,11 @@ def parse_hardware_ports(text: str) -> dict[str, str]:
 
 
 def parse_ifconfig(text: str) -> dict[str, dict]:
-    """macOS `ifconfig` -> {iface: {"flags": [...], "inet": [...], "members": [...], "status": str}}."""
-    out, cur = {}, {}
-    for line in text.splitlines():
-        word = line.strip().split(" ")[0]
-        if m := re.match(r"^([A-Za-z0-9_.-]+): flags=\w+<([^>]*)>", line):
-            cur = out.setdefault(m[1], {"flags": m[2].split(","), "inet": [], "members": [], "status": ""})
-        elif cur and word in ("inet", "member:"):
-            cur["inet" if word == "inet" else "members"].append(line.split()[1])
-        elif cur and word == "status:":
-            cur["status"] = line.split(":", 1)[1].strip()
-    return out
-
-
-def parse_ibv_devices(text: str) -> list[str]:
-    """`ibv_devices` -> device names (the rows under the `------` rule)."""
-    body = text.split("------", 1)[1].split("\n", 1)[-1] if "------" in text else ""
-    return [ln.split()[0] for ln in body.splitlines() if ln.strip()]
+    """macOS `ifconfig` (tab-indented) -> {iface: {"flags": [...], "inet": [...], "members": [...], "status"}}."""
+    return {name: {"flags": flags.split(","), "inet": re.findall(r"\n\s+inet (\S+)", body),
+                   "members": re.findall(r"\n\s+member: (\S+)", body),
+                   "status": "".join(re.findall(r"(?m)^\s+status: (.*?)\s*$", body)[-1:])}
+            for name, flags, body in re.findall(r"(?m)^([\w.-]+): flags=\w+<([^>]*)>(.*(?:\n\t.*)*)", text)}
 
 
 def parse_thunderbolt(text: str) -> list[dict]:
@@ -156,9 +144,11 @@ def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
 
 
 def rdma_missing(row: list, ibv_output: object) -> tuple[list[str], list[str], list[str]]:
-    """(wanted, missing, listed): rdma row entries (a name, a list or null) against `ibv_devices`."""
+    """(wanted, missing, listed): rdma row entries (a name, a list or null) against `ibv_devices` (the
+    device names under its `------` rule)."""
     wanted = [d for d in dict.fromkeys(d for e in row for d in (e if isinstance(e, list) else [e])) if d]
-    listed = parse_ibv_devices(ibv_output if isinstance(ibv_output, str) else "")
+    rows = (ibv_output if isinstance(ibv_output, str) else "").partition("------")[2].partition("\n")[2]
+    listed = [ln.split()[0] for ln in rows.splitlines() if ln.strip()]
     return wanted, [d for d in wanted if d not in listed], listed
 
 

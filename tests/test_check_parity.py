@@ -135,7 +135,7 @@ def test_a_macos_tool_that_failed_reads_as_no_output():
 
 
 def test_ibv_devices_lists_and_missing():
-    assert parity.parse_ibv_devices(macos("mac4-ring")["ibv_devices"]) == ["rdma_en2", "rdma_en3", "rdma_en4"]
+    assert parity.rdma_missing([], macos("mac4-ring")["ibv_devices"])[2] == ["rdma_en2", "rdma_en3", "rdma_en4"]
     assert parity.rdma_missing(["rdma_en2", "rdma_en3"], macos("mac4-jaccl")["ibv_devices"])[1] == []
     _, missing, listed = parity.rdma_missing(["rdma_en2"], macos("mac5-rdma-off")["ibv_devices"])
     assert missing == ["rdma_en2"] and listed == []
