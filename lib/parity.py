@@ -96,7 +96,7 @@ def parse_hardware_ports(text: str) -> dict[str, str]:
 
 
 def parse_ifconfig(text: str) -> dict[str, dict]:
-    """macOS `ifconfig` (tab-indented) -> {iface: {"flags": [...], "inet": [...], "members": [...], "status"}}."""
+    """macOS `ifconfig` (tab-indented) -> {iface: {"flags", "inet", "members": [...], "status": str}}."""
     return {name: {"flags": flags.split(","), "inet": re.findall(r"\n\s+inet (\S+)", body),
                    "members": re.findall(r"\n\s+member: (\S+)", body),
                    "status": "".join(re.findall(r"(?m)^\s+status: (.*?)\s*$", body)[-1:])}
