@@ -20,8 +20,7 @@ CODE_PARTS = ["bin", "lib", "configs", "requirements.lock"]
 # What runtime.packages compares: mlx, mlx-lm and the four they load, plus mlx's platform wheel.
 PACKAGES = ["mlx", "mlx-lm", "numpy", "transformers", "tokenizers", "safetensors", "mlx-cpu", "mlx-metal"]
 LOCK_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)\s*(?:;\s*(.*?))?\s*\\?\s*$")
-# $1 = PYTHON, $2 = the probe's JSON parameters, its source on stdin. Exit 97 with a last stderr line
-# "@@ missing" or "@@ exit N" when PYTHON does not exist or dies before it prints.
+# $1 PYTHON, $2 the JSON parameters, the source on stdin; exit 97, "@@ missing|exit N" if PYTHON fails
 PROBE_SH = r"""if [ ! -x "$1" ] || [ -d "$1" ]; then echo "@@ missing" >&2; exit 97; fi
 "$1" -c "$(cat)" "$2" </dev/null || { echo "@@ exit $?" >&2; exit 97; }"""
 SSH_FAILURES = [  # (stderr pattern, detail, fix): {last} = ssh's last line; {ssh} {host} in the fix
@@ -30,25 +29,20 @@ SSH_FAILURES = [  # (stderr pattern, detail, fix): {last} = ssh's last line; {ss
      "confirm the host's key fingerprint, then (if it changed: ssh-keygen -R {host}) "
      "{ssh} -o StrictHostKeyChecking=accept-new {host} true; see RUNBOOK.md#parity-ssh-host-key"),
     ("Permission denied", "authentication refused: {last}", "install your key: ssh-copy-id {host}"),
-    ("Connection refused", "sshd not listening: {last}",
-     "start sshd on the host (macOS: System Settings > General > Sharing > Remote Login)"),
+    ("Connection refused", "sshd not listening: {last}", "turn on Remote Login (System Settings > Sharing)"),
     ("timed out|No route|unreachable|Host is down|resolve", "host unreachable: {last}",
      "check the hostfile's name (or ~/.ssh/config), that the host is up, and the cable: {ssh} {host} true"),
 ]
 
 
 def probe(host: str, python: str, params: dict, deadline: float) -> tuple[dict | None, Result, float]:
-    """Run the probe on `host` by `deadline` (time.monotonic()): (its facts or None, the Result, seconds)."""
+    """Run the probe on `host` by `deadline` (time.monotonic()): (its facts or None, the Result, seconds);
+    the facts are the last stdout line that is the probe's JSON object (a login banner may precede it)."""
     t0 = time.monotonic()
     argv = ["sh", "-c", PROBE_SH, "parity-probe", python, json.dumps(params, sort_keys=True)]
     r = run_on(host, argv, timeout=max(1.0, deadline - t0 - 0.5), input=PROBE_SOURCE.read_text("utf-8"))
-    return parse_probe_output(r.stdout), r, time.monotonic() - t0
-
-
-def parse_probe_output(stdout: str) -> dict | None:
-    """The last stdout line that is the probe's JSON object (a login banner may precede it)."""
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("{") and '"probe_version": ' in ln]
-    return json.loads(lines[-1]) if lines else None
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{") and '"probe_version": ' in ln]
+    return (json.loads(lines[-1]) if lines else None), r, time.monotonic() - t0
 
 
 def probe_failure(host: str, python: str, r: Result) -> tuple[str, str, str]:
@@ -56,15 +50,15 @@ def probe_failure(host: str, python: str, r: Result) -> tuple[str, str, str]:
     (PROBE_SH's last words; no fix: the caller's provision), ssh failed, or ssh worked but nothing came."""
     err = (r.stderr or "").strip()
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    if r.returncode == 97 and lines and lines[-1].startswith("@@ "):
-        why = "does not exist on this host" if lines[-1] == "@@ missing" else (
-            f"exists but does not run ({lines[-1][3:]}: {' | '.join(lines[-3:-1])[-300:]})")
+    last = lines[-1][:300] if lines else f"exit {r.returncode}"
+    if r.returncode == 97 and last.startswith("@@ "):
+        why = "does not exist on this host" if last == "@@ missing" else (
+            f"exists but does not run ({last[3:]}: {' | '.join(lines[-3:-1])[-300:]})")
         return "runtime.python", f"PYTHON {python} {why}", ""
     if r.ok:
         tail = (err or r.stdout.strip())[-300:] or "empty output"
         return "ssh", f"ssh works but the probe printed no result: {tail}", (
             "run the probe by hand: see RUNBOOK.md#parity-ssh")
-    last = lines[-1][:300] if lines else f"exit {r.returncode}"
     detail, fix = next(((d, f) for pat, d, f in SSH_FAILURES if re.search(pat, err)), (
         f"ssh failed (exit {r.returncode}): {last}", "run it by hand to see why: {ssh} {host} true"))
     detail = f"no answer within the time bound ({last})" if r.timed_out else detail.format(last=last)
@@ -139,8 +133,8 @@ def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
     if tb and not connected:
         problems.append("no Thunderbolt peer connected on any port (system_profiler): check the cable")
     notes += ["peer " + ", ".join(connected)] if connected else []
-    status = "fail" if problems else "warn" if warns else "pass"
-    return status, "; ".join(problems + warns + ([] if problems else notes))
+    detail = "; ".join(problems + warns + ([] if problems else notes))
+    return "fail" if problems else "warn" if warns else "pass", detail
 
 
 def rdma_missing(row: list, ibv_output: object) -> tuple[list[str], list[str], list[str]]:

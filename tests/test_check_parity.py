@@ -336,10 +336,11 @@ def test_ssh_failures_are_named_with_a_fix(stderr, expect):
     assert "see RUNBOOK.md#parity-ssh" in fix
 
 
-def test_probe_output_survives_a_noisy_login_shell():
+def test_probe_output_survives_a_noisy_login_shell(monkeypatch):
     noisy = "Welcome to fab2!\nlast login: never\n" + json.dumps({"probe_version": 1, "x": 1}) + "\n"
-    assert parity.parse_probe_output(noisy) == {"probe_version": 1, "x": 1}
-    assert parity.parse_probe_output("Welcome\n") is None
+    for stdout, facts in ((noisy, {"probe_version": 1, "x": 1}), ("Welcome\n", None)):
+        monkeypatch.setattr(parity, "run_on", lambda *a, out=stdout, **k: Result("fab2", 0, out, ""))
+        assert parity.probe("fab2", PYTHON, {}, time.monotonic() + 5)[0] == facts
 
 
 # ---- local end to end (127.0.0.1: local execution, like mlx.launch) -----------------------------
@@ -441,7 +442,7 @@ def test_remote_root_eacces_is_file_modes(tmp_path):
     tmp_path.chmod(0o755)
     p = run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
              parity.PROBE_SOURCE.read_text(), json.dumps({"remote_root": str(root), "parts": []})])
-    disk = parity.parse_probe_output(p.stdout)["disk"]
+    disk = json.loads(p.stdout)["disk"]
     assert disk["errno"] == "EACCES", disk
     c = remote_root_check(load_script("check_parity"), str(root), disk, "Darwin")
     assert c["status"] == "fail" and "Permission denied (EACCES)" in c["detail"] and "chmod" in c["fix"]
