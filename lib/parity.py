@@ -1,7 +1,6 @@
-"""check-parity's orchestrator side (bin/check_parity.py; bench uses CODE_PARTS): the probe call, ssh and
-PYTHON failures, the lock's pins, topology, and the macOS tools' output (tested on tests/fixtures/macos/).
-Example: `parity.probe("mac5", PYTHON, {"parts": ["runtime"]}, time.monotonic() + 20)` -> (facts or None,
-Result, seconds): one ssh round trip (local for 127.0.0.1, as mlx.launch does) running lib/parity_probe.py."""
+"""check-parity's orchestrator side (bin/check_parity.py; bench uses CODE_PARTS): lib/parity_probe.py over
+ssh (locally for 127.0.0.1, as mlx.launch does), its failures, the lock's pins, topology, macOS tools' output
+(tests use recordings). Example: `probe("mac5", PYTHON, {}, time.monotonic() + 20)` -> (facts, Result, s)."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ SSH_FAILURES = [  # (stderr pattern, detail, fix): {last} = ssh's last line; {ss
 
 
 def probe(host: str, python: str, params: dict, deadline: float) -> tuple[dict | None, Result, float]:
-    """Run the probe on `host` by `deadline` (time.monotonic()): (its facts or None, the Result, seconds);
-    the facts are the last stdout line that is the probe's JSON object (a login banner may precede it)."""
+    """(facts or None, Result, s) of the probe on `host` by `deadline`; a login banner may come first."""
     t0 = time.monotonic()
     argv = ["sh", "-c", PROBE_SH, "parity-probe", python, json.dumps(params, sort_keys=True)]
     r = run_on(host, argv, timeout=max(1.0, deadline - t0 - 0.5), input=PROBE_SOURCE.read_text("utf-8"))
@@ -46,8 +44,7 @@ def probe(host: str, python: str, params: dict, deadline: float) -> tuple[dict |
 
 
 def probe_failure(host: str, python: str, r: Result) -> tuple[str, str, str]:
-    """(check, detail, fix) of a probe that printed no facts: PYTHON missing or dead before printing
-    (PROBE_SH's last words; no fix: the caller's provision), ssh failed, or ssh worked but nothing came."""
+    """(check, detail, fix) with no facts: PYTHON missing or dead (the caller's fix), ssh failed or silent."""
     err = (r.stderr or "").strip()
     lines = [ln for ln in err.splitlines() if ln.strip()]
     last = lines[-1][:300] if lines else f"exit {r.returncode}"
@@ -138,8 +135,7 @@ def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
 
 
 def rdma_missing(row: list, ibv_output: object) -> tuple[list[str], list[str], list[str]]:
-    """(wanted, missing, listed): rdma row entries (a name, a list or null) against `ibv_devices` (the
-    device names under its `------` rule)."""
+    """(wanted, missing, listed): rdma row entries (a name, a list or null) against `ibv_devices`' rows."""
     wanted = [d for d in dict.fromkeys(d for e in row for d in (e if isinstance(e, list) else [e])) if d]
     rows = (ibv_output if isinstance(ibv_output, str) else "").partition("------")[2].partition("\n")[2]
     listed = [ln.split()[0] for ln in rows.splitlines() if ln.strip()]
