@@ -110,28 +110,27 @@ def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
     out = {k: v if isinstance(v, str) else "" for k, v in outputs.items()}  # a failed tool: {"error": ...}
     ports, ifaces = parse_hardware_ports(out.get("networksetup", "")), parse_ifconfig(out.get("ifconfig", ""))
     tb = parse_thunderbolt(out["system_profiler"]) if out.get("system_profiler") else []
-    problems, warns, notes = [], [], []
+    bad, warns, notes = [], [], []
     for ip in ips:
         iface = next((name for name, f in ifaces.items() if ip in f["inet"]), None)
         port, f = ports.get(iface, ""), ifaces.get(iface, {})
         up = [m for m in f.get("members", []) if ifaces.get(m, {}).get("status") == "active"]
         if iface is None:
-            problems.append(f"{ip} is on no interface")
+            bad.append(f"{ip} is on no interface")
         elif not (port.startswith("Thunderbolt") or f["members"] and
                   all(ports.get(m, "").startswith("Thunderbolt") for m in f["members"])):
             warns.append(f"{ip} is on {iface} ({port or 'unknown port'}), not Thunderbolt")
         elif f["status"] and f["status"] != "active":
-            problems.append(f"{ip} is on {iface} ({port}) but its status is {f['status']}")
+            bad.append(f"{ip} is on {iface} ({port}) but its status is {f['status']}")
         elif f["members"] and not up:
-            problems.append(f"{iface} has no active member ({', '.join(f['members'])})")
+            bad.append(f"{iface} has no active member ({', '.join(f['members'])})")
         else:
             notes.append(f"{ip} on {iface} ({port}" + (f"; active: {', '.join(up)})" if up else ")"))
     connected = [f"{p['peers'][0]} on port {p['receptacle']} at {p['speed']}" for p in tb if p["peers"]]
     if tb and not connected:
-        problems.append("no Thunderbolt peer connected on any port (system_profiler): check the cable")
+        bad.append("no Thunderbolt peer connected on any port (system_profiler): check the cable")
     notes += ["peer " + ", ".join(connected)] if connected else []
-    detail = "; ".join(problems + warns + ([] if problems else notes))
-    return "fail" if problems else "warn" if warns else "pass", detail
+    return ("fail" if bad else "warn" if warns else "pass"), "; ".join(bad + warns + ([] if bad else notes))
 
 
 def rdma_missing(row: list, ibv_output: object) -> tuple[list[str], list[str], list[str]]:
