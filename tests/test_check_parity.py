@@ -275,7 +275,9 @@ def test_wired_limit_and_working_set_against_the_calibrated_peak(tmp_path, monke
 
 def test_lock_pins_follow_the_hosts_markers():
     text = (ROOT / "requirements.lock").read_text()
-    env = parity_probe.marker_env()
+    from packaging.markers import default_environment
+
+    env = default_environment()
     linux311 = parity.lock_pins(text, dict(env, sys_platform="linux", python_full_version="3.11.7",
                                            python_version="3.11"))
     mac312 = parity.lock_pins(text, dict(env, sys_platform="darwin", platform_system="Darwin",
