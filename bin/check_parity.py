@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lib import atomic, dataset, hostfile, parity, parity_probe, paths  # noqa: E402
 from lib.log import RunbookError  # noqa: E402
 
-STATUS = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "UNKNOWN"}
+STATUS, CODE = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "UNKNOWN"}, {"pass": 0, "warn": 1, "fail": 2}
 GATES = {"runtime": ["runtime"], "content": ["content"], "all": ["runtime", "content"]}
 FAST_SYNCH, LINK_FIX = "MLX_METAL_FAST_SYNCH", "see RUNBOOK.md#parity-link"
 MIN_MEM_GB, RTT_WARN_MS, GB, MiB = 2.0, 2.0, 1 << 30, 1 << 20
@@ -224,29 +224,9 @@ def eval_link(args, h: str, f: dict) -> dict:
                  f"the ring may run over Wi-Fi/Ethernet, not Thunderbolt; {LINK_FIX}")
 
 
-def eval_content(args, h: str, f: dict, ref: dict) -> list[dict]:
-    """code, model, dataset: the host's {rel: [size, sha256 or None]} equal this checkout's."""
-    out = []
-    for name, (_, where, _, _) in args.content.items():
-        ours, theirs = ref[name], f[name]
-        if "error" in theirs:
-            status, detail = "fail", f"probe error: {theirs['error']}"
-        elif not theirs:
-            status = "warn" if name == "dataset" else "fail"
-            detail = f"none of its {len(ours)} files exist on this host (not synced yet)"
-        else:
-            diff = {"differs": [p for p in set(ours) & set(theirs) if ours[p] != theirs[p]],
-                    "missing": set(ours) - set(theirs), "extra on host": set(theirs) - set(ours)}
-            bad = [f"{k}: {', '.join(sorted(v)[:5])}" + (f" (+{len(v) - 5} more)" if len(v) > 5 else "")
-                   for k, v in diff.items() if v]
-            mb = sum(v[0] for v in ours.values()) / 1e6
-            status, detail = not bad, "; ".join(bad) or f"{len(ours)} files, {mb:.1f} MB identical"
-        out.append(check(name, h, status, f"{where}: {detail}", args.fix[name]))
-    return out
-
-
 def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
-    """The gate's checks for every host from its probe: results[host] = (facts or None, Result, seconds)."""
+    """The gate's checks for every host from its probe (results[host] = (facts or None, Result, seconds)):
+    ssh, then runtime, resources and link, then the code, model and dataset files against this checkout's."""
     checks, facts = [], {}
     for h in hf.unique_ssh():
         f, r, secs = results[h]
@@ -261,8 +241,21 @@ def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
         if "runtime" in GATES[args.gate]:
             checks += eval_runtime(args, h, f, facts, ref["lock"], hf.envs)
             checks += [*eval_resources(args, h, f), *eval_macos(args, h, f, hf), eval_link(args, h, f)]
-        if "content" in GATES[args.gate]:
-            checks += eval_content(args, h, f, ref)
+        for name, (_, where, _, _) in args.content.items() if "content" in GATES[args.gate] else ():
+            ours, theirs = ref[name], f[name]  # {rel: [size, sha256 or None]} here and on the host
+            if "error" in theirs:
+                status, detail = "fail", f"probe error: {theirs['error']}"
+            elif not theirs:
+                status = "warn" if name == "dataset" else "fail"
+                detail = f"none of its {len(ours)} files exist on this host (not synced yet)"
+            else:
+                diff = {"differs": [p for p in set(ours) & set(theirs) if ours[p] != theirs[p]],
+                        "missing": set(ours) - set(theirs), "extra on host": set(theirs) - set(ours)}
+                bad = [f"{k}: {', '.join(sorted(v)[:5])}" + (f" (+{len(v) - 5} more)" if len(v) > 5 else "")
+                       for k, v in diff.items() if v]
+                mb = sum(v[0] for v in ours.values()) / 1e6
+                status, detail = not bad, "; ".join(bad) or f"{len(ours)} files, {mb:.1f} MB identical"
+            checks.append(check(name, h, status, f"{where}: {detail}", args.fix[name]))
     if "content" in GATES[args.gate] and not args.model_local:  # missing here, or a hub id each host resolves
         missing = args.model.startswith((".", "/", "models/"))
         why = (f"MODEL {args.model} does not exist here" if missing else f"skipped: MODEL {args.model} is a "
@@ -307,10 +300,6 @@ def run_checks(args) -> list[dict]:
         signal.alarm(0)
 
 
-def code_of(checks: list[dict]) -> int:
-    return max([{"warn": 1, "fail": 2}.get(c["status"], 0) for c in checks], default=0)
-
-
 def perf_label(label: str) -> str:
     """A perfdata label: single-quoted (a quote doubled) unless plain, per the plugin guidelines."""
     return label if label.isascii() and label.isidentifier() else "'" + label.replace("'", "''") + "'"
@@ -325,7 +314,8 @@ def print_table(result: dict, args) -> None:
         mine = [c for c in rows if (c["name"] in ("code", "model", "dataset")) == (part == "content")]
         bad = [f"{c['name']} on {c['host']}" for c in mine if c["status"] != "pass"]
         where = f" ({', '.join(bad[:4])}{f', +{len(bad) - 4} more' if len(bad) > 4 else ''})" if bad else ""
-        summary.append(f"{part} " + (STATUS[code_of(mine)] + where if bad or mine and part in gates else
+        worst = STATUS[max([CODE[c["status"]] for c in mine], default=0)] + where
+        summary.append(f"{part} " + (worst if bad or mine and part in gates else
                                      "not reached" if part in gates else f"not checked (--gate {args.gate})"))
     perf = [f"duration={result['duration_s']}s;;;0", f"failed={n['fail']};;;0", f"warned={n['warn']};;;0"]
     perf += [f"{perf_label('rtt_' + h)}={ms}ms;;;0" for h, ms in args.rtts.items()]
@@ -363,7 +353,8 @@ def main() -> int:
             lock.truncate(0)
             print(os.getpid(), file=lock, flush=True)
             checks = run_checks(args)
-        code = 3 if checks[0]["name"] in ("lock", "deadline", "internal") else code_of(checks)
+        unknown = checks[0]["name"] in ("lock", "deadline", "internal")  # the check itself did not finish
+        code = 3 if unknown else max(CODE[c["status"]] for c in checks)
         result = {"status": STATUS[code], "code": code, "checks": checks,
                   "duration_s": round(time.monotonic() - t0, 3), "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if last:
