@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -201,8 +200,7 @@ def eval_wired(args, h: str, f: dict) -> dict:
     elif ws and need > ws:
         status, detail = "warn", f"{detail}: over the working set by {(need - ws) / GB:.1f} GB (it pages)"
         fix = (f"a smaller per-rank batch (make calibrate), or on the host: sudo sysctl iogpu.wired_limit_mb="
-               f"{min(-(-need // MiB) + 1024, safe_mb)} (resets at reboot; keep 4 GB for macOS: {froze}, "
-               f"exo#1672); {fix}")
+               f"{min(-(-need // MiB) + 1024, safe_mb)} (until reboot; keep 4 GB for macOS: exo#1672); {fix}")
     elif not ws:
         detail = "mlx reports no recommended working set: " + detail
     return check("resources.wired", h, status, detail, fix)
@@ -225,18 +223,13 @@ def eval_link(args, h: str, f: dict) -> dict:
 
 
 def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
-    """The gate's checks for every host from its probe (results[host] = (facts or None, Result, seconds)):
-    ssh, then runtime, resources and link, then the code, model and dataset files against this checkout's."""
-    checks, facts = [], {}
-    for h in hf.unique_ssh():
-        f, r, secs = results[h]
-        name, why, fix = parity.probe_failure(h, args.python, r) if f is None else ("", "", "")
+    """The gate's checks for every host from its probe: results[host] = (facts or None, Result, seconds)."""
+    checks, facts = [], {h: f for h, (f, _, _) in results.items() if f}  # no facts: nothing more to ask
+    for h, (f, r, secs) in results.items():
+        name, why, fix = ("", "", "") if f else parity.probe_failure(h, args.python, r)
         how = "local (127.0.0.1, like mlx.launch)" if hostfile.is_local(h) else "ssh ok"  # by name: ssh
         checks += [check("ssh", h, "pass", f"{how}, round trip {secs:.2f} s")] if name != "ssh" else []
-        if name:  # ssh failed, or PYTHON is missing or dies: nothing more can be asked of this host
-            checks.append(check(name, h, "fail", why, fix or args.fix["provision"]))
-        else:
-            facts[h] = f
+        checks += [check(name, h, "fail", why, fix or args.fix["provision"])] if name else []
     for h, f in facts.items():
         if "runtime" in GATES[args.gate]:
             checks += eval_runtime(args, h, f, facts, ref["lock"], hf.envs)
@@ -309,7 +302,7 @@ def print_table(result: dict, args) -> None:
     """`PARITY <STATUS> - <summary> | <perfdata>` (Nagios plugin guidelines: which gate failed, and where),
     a row per check with its fix, then the status line."""
     rows, summary, gates = result["checks"], [], GATES[args.gate]
-    n = Counter(c["status"] for c in rows)
+    n = {s: [c["status"] for c in rows].count(s) for s in ("fail", "warn")}
     for part in ("runtime", "content") if result["code"] != 3 else ():
         mine = [c for c in rows if (c["name"] in ("code", "model", "dataset")) == (part == "content")]
         bad = [f"{c['name']} on {c['host']}" for c in mine if c["status"] != "pass"]
