@@ -28,7 +28,7 @@ SSH_FAILURES = [  # (stderr pattern, detail, fix): {last} = ssh's last line; {ss
      "confirm the host's key fingerprint, then (if it changed: ssh-keygen -R {host}) "
      "{ssh} -o StrictHostKeyChecking=accept-new {host} true; see RUNBOOK.md#parity-ssh-host-key"),
     ("Permission denied", "authentication refused: {last}", "install your key: ssh-copy-id {host}"),
-    ("Connection refused", "sshd not listening: {last}", "turn on Remote Login (System Settings > Sharing)"),
+    ("Connection refused", "sshd not listening: {last}", "enable Remote Login: Settings > General > Sharing"),
     ("timed out|No route|unreachable|Host is down|resolve", "host unreachable: {last}",
      "check the hostfile's name (or ~/.ssh/config), that the host is up, and the cable: {ssh} {host} true"),
 ]

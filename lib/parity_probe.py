@@ -20,6 +20,7 @@ MACOS_TOOLS = {  # their raw output; lib/parity.py parses it on the orchestrator
     "system_profiler": "system_profiler SPThunderboltDataType -json", "pmset_ps": "pmset -g ps",
     "wired_limit": "sysctl -n iogpu.wired_limit_mb", "ibv_devices": "ibv_devices"}
 
+
 def iter_files(root, parts):
     """lib.hashing.iter_files's rule (a test keeps them in step): hidden files and __pycache__ skipped."""
     out = {part for part in parts if os.path.isfile(os.path.join(root, part))}

@@ -333,8 +333,8 @@ def test_peers_ring_and_jaccl():
     ("ssh: Could not resolve hostname mac9: Name or service not known\r\n", "host unreachable"),
 ])
 def test_ssh_failures_are_named_with_a_fix(stderr, expect):
-    _, detail, fix = parity.probe_failure("fab2", PYTHON, Result("fab2", 255, "", stderr))
-    assert detail.startswith(expect), detail
+    name, detail, fix = parity.probe_failure("fab2", PYTHON, Result("fab2", 255, "", stderr))
+    assert name == "ssh" and detail.startswith(expect), detail
     assert "see RUNBOOK.md#parity-ssh" in fix
 
 
