@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lib import atomic, dataset, hostfile, parity, parity_probe, paths  # noqa: E402
 from lib.log import RunbookError  # noqa: E402
 
-STATUS = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "UNKNOWN"}
+STATUS, CODE = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "UNKNOWN"}, {"pass": 0, "warn": 1, "fail": 2}
 GATES = {"runtime": ["runtime"], "content": ["content"], "all": ["runtime", "content"]}
 FAST_SYNCH, LINK_FIX = "MLX_METAL_FAST_SYNCH", "see RUNBOOK.md#parity-link"
 MIN_MEM_GB, RTT_WARN_MS, GB, MiB = 2.0, 2.0, 1 << 30, 1 << 20
@@ -201,8 +200,7 @@ def eval_wired(args, h: str, f: dict) -> dict:
     elif ws and need > ws:
         status, detail = "warn", f"{detail}: over the working set by {(need - ws) / GB:.1f} GB (it pages)"
         fix = (f"a smaller per-rank batch (make calibrate), or on the host: sudo sysctl iogpu.wired_limit_mb="
-               f"{min(-(-need // MiB) + 1024, safe_mb)} (resets at reboot; keep 4 GB for macOS: {froze}, "
-               f"exo#1672); {fix}")
+               f"{min(-(-need // MiB) + 1024, safe_mb)} (until reboot; keep 4 GB for macOS: exo#1672); {fix}")
     elif not ws:
         detail = "mlx reports no recommended working set: " + detail
     return check("resources.wired", h, status, detail, fix)
@@ -224,119 +222,99 @@ def eval_link(args, h: str, f: dict) -> dict:
                  f"the ring may run over Wi-Fi/Ethernet, not Thunderbolt; {LINK_FIX}")
 
 
-def eval_content(args, h: str, f: dict, ref: dict) -> list[dict]:
-    """code, model, dataset: the host's {rel: [size, sha256 or None]} equal this checkout's."""
-    out = []
-    for name, (_, where, _, _) in args.content.items():
-        ours, theirs = ref[name], f[name]
-        if "error" in theirs:
-            status, detail = "fail", f"probe error: {theirs['error']}"
-        elif not theirs:
-            status = "warn" if name == "dataset" else "fail"
-            detail = f"none of its {len(ours)} files exist on this host (not synced yet)"
-        else:
-            diff = {"differs": [p for p in set(ours) & set(theirs) if ours[p] != theirs[p]],
-                    "missing": set(ours) - set(theirs), "extra on host": set(theirs) - set(ours)}
-            bad = [f"{k}: {', '.join(sorted(v)[:5])}" + (f" (+{len(v) - 5} more)" if len(v) > 5 else "")
-                   for k, v in diff.items() if v]
-            mb = sum(v[0] for v in ours.values()) / 1e6
-            status, detail = not bad, "; ".join(bad) or f"{len(ours)} files, {mb:.1f} MB identical"
-        out.append(check(name, h, status, f"{where}: {detail}", args.fix[name]))
-    return out
-
-
-def model_note(args) -> dict:
-    """MODEL when there is no local folder to compare: missing here, or a hub id each host resolves."""
-    if args.model.startswith((".", "/", "models/")):
-        return check("model", "local", "fail", f"MODEL {args.model} does not exist here",
-                     "fetch it (make model HF_REPO=...) or set MODEL=; see RUNBOOK.md#parity-model")
-    return check("model", "-", "pass", f"skipped: MODEL {args.model} is a hub id (each host resolves it "
-                 "from its own cache)" if args.model else "skipped: no MODEL")
-
-
 def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
     """The gate's checks for every host from its probe: results[host] = (facts or None, Result, seconds)."""
-    checks, facts, fix = [], {}, args.fix["provision"]
-    for h in hf.unique_ssh():
-        f, r, secs = results[h]
-        why = parity.python_failure(args.python, r) if f is None else None
-        if f is None and not why:
-            tail = (r.stderr.strip() or r.stdout.strip())[-300:] or "empty output"
-            checks.append(check("ssh", h, "fail", *parity.ssh_failure(h, r) if not r.ok else (
-                f"ssh works but the probe printed no result: {tail}",
-                "run the probe by hand: see RUNBOOK.md#parity-ssh")))
-            continue
+    checks, facts = [], {h: f for h, (f, _, _) in results.items() if f}  # no facts: nothing more to ask
+    for h, (f, r, secs) in results.items():
+        name, why, fix = ("", "", "") if f else parity.probe_failure(h, args.python, r)
         how = "local (127.0.0.1, like mlx.launch)" if hostfile.is_local(h) else "ssh ok"  # by name: ssh
-        checks.append(check("ssh", h, "pass", f"{how}, round trip {secs:.2f} s"))
-        if why:  # PYTHON is missing or dies: nothing more can be asked of this host
-            checks.append(check("runtime.python", h, "fail", why, fix))
-        else:
-            facts[h] = f
+        checks += [check("ssh", h, "pass", f"{how}, round trip {secs:.2f} s")] if name != "ssh" else []
+        checks += [check(name, h, "fail", why, fix or args.fix["provision"])] if name else []
     for h, f in facts.items():
         if "runtime" in GATES[args.gate]:
             checks += eval_runtime(args, h, f, facts, ref["lock"], hf.envs)
             checks += [*eval_resources(args, h, f), *eval_macos(args, h, f, hf), eval_link(args, h, f)]
-        if "content" in GATES[args.gate]:
-            checks += eval_content(args, h, f, ref)
-    return checks + ([model_note(args)] if "content" in GATES[args.gate] and not args.model_local else [])
+        for name, (_, where, _, _) in args.content.items() if "content" in GATES[args.gate] else ():
+            ours, theirs = ref[name], f[name]  # {rel: [size, sha256 or None]} here and on the host
+            if "error" in theirs:
+                status, detail = "fail", f"probe error: {theirs['error']}"
+            elif not theirs:
+                status = "warn" if name == "dataset" else "fail"
+                detail = f"none of its {len(ours)} files exist on this host (not synced yet)"
+            else:
+                diff = {"differs": [p for p in set(ours) & set(theirs) if ours[p] != theirs[p]],
+                        "missing": set(ours) - set(theirs), "extra on host": set(theirs) - set(ours)}
+                bad = [f"{k}: {', '.join(sorted(v)[:5])}" + (f" (+{len(v) - 5} more)" if len(v) > 5 else "")
+                       for k, v in diff.items() if v]
+                mb = sum(v[0] for v in ours.values()) / 1e6
+                status, detail = not bad, "; ".join(bad) or f"{len(ours)} files, {mb:.1f} MB identical"
+            checks.append(check(name, h, status, f"{where}: {detail}", args.fix[name]))
+    if "content" in GATES[args.gate] and not args.model_local:  # missing here, or a hub id each host resolves
+        missing = args.model.startswith((".", "/", "models/"))
+        why = (f"MODEL {args.model} does not exist here" if missing else f"skipped: MODEL {args.model} is a "
+               "hub id (each host resolves it from its own cache)" if args.model else "skipped: no MODEL")
+        checks.append(check("model", "local" if missing else "-", not missing, why,
+                            "fetch it (make model HF_REPO=...) or set MODEL=; see RUNBOOK.md#parity-model"))
+    return checks
 
 
-def run_checks(args, deadline: float) -> list[dict]:
-    """The hostfile's row, then every host's checks; refused inputs are one row, before any ssh."""
+def run_checks(args) -> list[dict]:
+    """The hostfile's row, then every host's checks; refused inputs are one row, before any ssh. Bounded by
+    --timeout (SIGALRM); a check that breaks is UNKNOWN (its row comes first), never OK."""
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(int(args.timeout) + 3)
     try:
         hf = validate_inputs(args)
+        hosts, peers = hf.unique_ssh(), parity.peers_of(hf)
+        params = {"python": args.python, "remote_root": args.root, "parts": GATES[args.gate],
+                  "content": args.content, "link_enough_ms": RTT_WARN_MS / 4,
+                  "rdma": hf.backend.startswith("jaccl")}
+        deadline = time.monotonic() + args.timeout  # every probe bounded by it (subprocess timeout)
+        with ThreadPoolExecutor(len(hosts)) as pool:
+            running = {h: pool.submit(parity.probe, h, args.python, dict(params, peers=peers[h]), deadline)
+                       for h in hosts}
+            ref = {name: parity_probe.probe_files(here, parts, hashed) for name, (here, _, parts, hashed)
+                   in args.content.items() if "content" in GATES[args.gate]}  # while the hosts answer
+            ref["lock"] = (paths.ROOT / "requirements.lock").read_text("utf-8")
+            results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
+        row = check("hostfile", "-", "pass", f"{args.hostfile}: {hf.backend or 'ring'}, {hf.size} rank(s) on "
+                    f"{len(hosts)} host(s): {', '.join(hosts)}")
+        return [row, *evaluate(args, hf, ref, results)]
     except RunbookError as e:
         return [check("hostfile" if e.anchor == "hostfile" else "inputs", "-", "fail", e.args[0],
                       f"see RUNBOOK.md#{e.anchor}")]
-    hosts, peers = hf.unique_ssh(), parity.peers_of(hf)
-    params = {"python": args.python, "remote_root": args.root, "parts": GATES[args.gate],
-              "content": args.content, "link_enough_ms": RTT_WARN_MS / 4,
-              "rdma": hf.backend.startswith("jaccl")}
-    with ThreadPoolExecutor(len(hosts)) as pool:  # every probe bounded by the deadline (subprocess timeout)
-        running = {h: pool.submit(parity.probe, h, args.python, dict(params, peers=peers[h]), deadline)
-                   for h in hosts}
-        ref = {"lock": (paths.ROOT / "requirements.lock").read_text(encoding="utf-8")}  # while hosts answer
-        if "content" in GATES[args.gate]:
-            ref.update({name: parity_probe.probe_files(here, parts, hashed)
-                        for name, (here, _, parts, hashed) in args.content.items()})
-        results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
-    summary = f"{hf.backend or 'ring'}, {hf.size} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}"
-    return [check("hostfile", "-", "pass", f"{args.hostfile}: {summary}")] + evaluate(args, hf, ref, results)
-
-
-def code_of(checks: list[dict]) -> int:
-    return max([{"warn": 1, "fail": 2}.get(c["status"], 0) for c in checks], default=0)
+    except TimeoutError:
+        return [check("deadline", "-", "fail", f"the check did not finish within {args.timeout:g} s",
+                      "see RUNBOOK.md#parity-ssh")]
+    except Exception as e:
+        return [check("internal", "-", "fail", f"{type(e).__name__}: {e}",
+                      "report it with runs/parity/last.json; see RUNBOOK.md#parity-unknown")]
+    finally:
+        signal.alarm(0)
 
 
 def perf_label(label: str) -> str:
     """A perfdata label: single-quoted (a quote doubled) unless plain, per the plugin guidelines."""
-    plain = label.isascii() and label.replace("_", "a").isalnum()
-    return label if plain else "'" + label.replace("'", "''") + "'"
-
-
-def plugin_line(result: dict, args) -> str:
-    """`PARITY <STATUS> - <summary> | <perfdata>` (Nagios plugin guidelines): which gate failed, and where."""
-    rows, summary, gates = result["checks"], [], GATES[args.gate]
-    for part in ("runtime", "content"):
-        mine = [c for c in rows if (c["name"] in ("code", "model", "dataset")) == (part == "content")]
-        bad = [f"{c['name']} on {c['host']}" for c in mine if c["status"] != "pass"]
-        where = f" ({', '.join(bad[:4])}{f', +{len(bad) - 4} more' if len(bad) > 4 else ''})" if bad else ""
-        if bad or (mine and part in gates):
-            summary.append(f"{part} {STATUS[code_of(mine)]}{where}")
-        else:  # a gate not asked for, or one that the hostfile or inputs stopped before it began
-            summary.append(f"{part} not reached" if part in gates else f"{part} not checked (--gate "
-                           f"{args.gate})")
-    summary = [rows[0]["detail"][:200]] if result["code"] == 3 else summary
-    n = Counter(c["status"] for c in rows)
-    perf = [f"duration={result['duration_s']}s;;;0", f"failed={n['fail']};;;0", f"warned={n['warn']};;;0"]
-    perf += [f"{perf_label('rtt_' + h)}={ms}ms;;;0" for h, ms in args.rtts.items()]
-    return f"PARITY {result['status']} - " + "; ".join(summary).replace("|", "/") + " | " + " ".join(perf)
+    return label if label.isascii() and label.isidentifier() else "'" + label.replace("'", "''") + "'"
 
 
 def print_table(result: dict, args) -> None:
-    rows, n = result["checks"], Counter(c["status"] for c in result["checks"])
+    """`PARITY <STATUS> - <summary> | <perfdata>` (Nagios plugin guidelines: which gate failed, and where),
+    a row per check with its fix, then the status line."""
+    rows, summary, gates = result["checks"], [], GATES[args.gate]
+    n = {s: [c["status"] for c in rows].count(s) for s in ("fail", "warn")}
+    for part in ("runtime", "content") if result["code"] != 3 else ():
+        mine = [c for c in rows if (c["name"] in ("code", "model", "dataset")) == (part == "content")]
+        bad = [f"{c['name']} on {c['host']}" for c in mine if c["status"] != "pass"]
+        where = f" ({', '.join(bad[:4])}{f', +{len(bad) - 4} more' if len(bad) > 4 else ''})" if bad else ""
+        worst = STATUS[max([CODE[c["status"]] for c in mine], default=0)] + where
+        summary.append(f"{part} " + (worst if bad or mine and part in gates else
+                                     "not reached" if part in gates else f"not checked (--gate {args.gate})"))
+    perf = [f"duration={result['duration_s']}s;;;0", f"failed={n['fail']};;;0", f"warned={n['warn']};;;0"]
+    perf += [f"{perf_label('rtt_' + h)}={ms}ms;;;0" for h, ms in args.rtts.items()]
+    summary = "; ".join(summary or [rows[0]["detail"][:200]]).replace("|", "/")
+    print(f"PARITY {result['status']} - {summary} | " + " ".join(perf))
     wn, wh = max([len(c["name"]) for c in rows] + [5]), max([len(c["host"]) for c in rows] + [4])
-    print(plugin_line(result, args))
     for c in rows:
         status = c["status"] if c["status"] == "pass" else c["status"].upper()
         print(f"  {status:<6}  {c['name']:<{wn}}  {c['host']:<{wh}}  {c['detail']}")
@@ -350,44 +328,29 @@ def on_alarm(signum, frame):
     raise TimeoutError()
 
 
-def checked(args) -> tuple[list[dict], int]:
-    """(checks, exit code), bounded by --timeout (SIGALRM); a check that breaks is UNKNOWN, never OK."""
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(int(args.timeout) + 3)
-    try:
-        checks = run_checks(args, time.monotonic() + args.timeout)
-        return checks, code_of(checks)
-    except TimeoutError:
-        return [check("deadline", "-", "fail", f"the check did not finish within {args.timeout:g} s",
-                      "see RUNBOOK.md#parity-ssh")], 3
-    except Exception as e:
-        return [check("internal", "-", "fail", f"{type(e).__name__}: {e}",
-                      "report it with runs/parity/last.json; see RUNBOOK.md#parity-unknown")], 3
-    finally:
-        signal.alarm(0)
-
-
 def main() -> int:
     args = build_parser().parse_args()
     t0, state, args.rtts = time.monotonic(), Path(args.state_dir), {}
     args.timeout = args.timeout or (600.0 if args.deep else 20.0)
     state.mkdir(parents=True, exist_ok=True)
+    last = state / ("last.json" if args.gate == "all" else f"last-{args.gate}.json")
     with open(state / ".lock", "a+") as lock:
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another run holds it: say so, touch nothing
             lock.seek(0)
             why = f"another check-parity is running (pid {lock.read().strip() or '?'} holds {lock.name})"
-            checks, code, last = [check("lock", "-", "fail", why + "; this run exits without checking",
-                                        "wait for it to finish; see RUNBOOK.md#parity-lock")], 3, None
+            checks, last = [check("lock", "-", "fail", why + "; this run exits without checking",
+                                  "wait for it to finish; see RUNBOOK.md#parity-lock")], None
         else:
             lock.truncate(0)
             print(os.getpid(), file=lock, flush=True)
-            checks, code = checked(args)
-            last = state / ("last.json" if args.gate == "all" else f"last-{args.gate}.json")
+            checks = run_checks(args)
+        unknown = checks[0]["name"] in ("lock", "deadline", "internal")  # the check itself did not finish
+        code = 3 if unknown else max(CODE[c["status"]] for c in checks)
         result = {"status": STATUS[code], "code": code, "checks": checks,
                   "duration_s": round(time.monotonic() - t0, 3), "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        if last is not None:
+        if last:
             atomic.write_json(last, result)
     print(json.dumps(result, sort_keys=True), flush=True) if args.json else print_table(result, args)
     return code

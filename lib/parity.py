@@ -1,7 +1,6 @@
-"""check-parity's orchestrator side (bin/check_parity.py; bench uses CODE_PARTS): the probe call, ssh and
-PYTHON failures, the lock's pins, topology, and the macOS tools' output (tested on tests/fixtures/macos/).
-Example: `parity.probe("mac5", PYTHON, {"parts": ["runtime"]}, time.monotonic() + 20)` -> (facts or None,
-Result, seconds): one ssh round trip (local for 127.0.0.1, as mlx.launch does) running lib/parity_probe.py."""
+"""check-parity's orchestrator side (bin/check_parity.py; bench uses CODE_PARTS): lib/parity_probe.py over
+ssh (locally for 127.0.0.1, as mlx.launch does), its failures, the lock's pins, topology, macOS tools' output
+(tests use recordings). Example: `probe("mac5", PYTHON, {}, time.monotonic() + 20)` -> (facts, Result, s)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ CODE_PARTS = ["bin", "lib", "configs", "requirements.lock"]
 # What runtime.packages compares: mlx, mlx-lm and the four they load, plus mlx's platform wheel.
 PACKAGES = ["mlx", "mlx-lm", "numpy", "transformers", "tokenizers", "safetensors", "mlx-cpu", "mlx-metal"]
 LOCK_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)\s*(?:;\s*(.*?))?\s*\\?\s*$")
-# $1 = PYTHON, $2 = the probe's JSON parameters, its source on stdin. Exit 97 with a last stderr line
-# "@@ missing" or "@@ exit N" when PYTHON does not exist or dies before it prints.
+# $1 PYTHON, $2 the JSON parameters, the source on stdin; exit 97, "@@ missing|exit N" if PYTHON fails
 PROBE_SH = r"""if [ ! -x "$1" ] || [ -d "$1" ]; then echo "@@ missing" >&2; exit 97; fi
 "$1" -c "$(cat)" "$2" </dev/null || { echo "@@ exit $?" >&2; exit 97; }"""
 SSH_FAILURES = [  # (stderr pattern, detail, fix): {last} = ssh's last line; {ssh} {host} in the fix
@@ -30,47 +28,40 @@ SSH_FAILURES = [  # (stderr pattern, detail, fix): {last} = ssh's last line; {ss
      "confirm the host's key fingerprint, then (if it changed: ssh-keygen -R {host}) "
      "{ssh} -o StrictHostKeyChecking=accept-new {host} true; see RUNBOOK.md#parity-ssh-host-key"),
     ("Permission denied", "authentication refused: {last}", "install your key: ssh-copy-id {host}"),
-    ("Connection refused", "sshd not listening: {last}",
-     "start sshd on the host (macOS: System Settings > General > Sharing > Remote Login)"),
+    ("Connection refused", "sshd not listening: {last}", "enable Remote Login: Settings > General > Sharing"),
     ("timed out|No route|unreachable|Host is down|resolve", "host unreachable: {last}",
      "check the hostfile's name (or ~/.ssh/config), that the host is up, and the cable: {ssh} {host} true"),
 ]
 
 
 def probe(host: str, python: str, params: dict, deadline: float) -> tuple[dict | None, Result, float]:
-    """Run the probe on `host` by `deadline` (time.monotonic()): (its facts or None, the Result, seconds)."""
+    """(facts or None, Result, s) of the probe on `host` by `deadline`; a login banner may come first."""
     t0 = time.monotonic()
     argv = ["sh", "-c", PROBE_SH, "parity-probe", python, json.dumps(params, sort_keys=True)]
     r = run_on(host, argv, timeout=max(1.0, deadline - t0 - 0.5), input=PROBE_SOURCE.read_text("utf-8"))
-    return parse_probe_output(r.stdout), r, time.monotonic() - t0
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{") and '"probe_version": ' in ln]
+    return (json.loads(lines[-1]) if lines else None), r, time.monotonic() - t0
 
 
-def parse_probe_output(stdout: str) -> dict | None:
-    """The last stdout line that is the probe's JSON object (a login banner may precede it)."""
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("{") and '"probe_version": ' in ln]
-    return json.loads(lines[-1]) if lines else None
-
-
-def python_failure(python: str, r: Result) -> str | None:
-    """What PROBE_SH said of a PYTHON that is missing or died before printing (its last words), else None."""
-    lines = [ln for ln in (r.stderr or "").strip().splitlines() if ln.strip()]
-    if r.returncode != 97 or not lines or not lines[-1].startswith("@@ "):
-        return None
-    if lines[-1] == "@@ missing":
-        return f"PYTHON {python} does not exist on this host"
-    return f"PYTHON {python} exists but does not run ({lines[-1][3:]}: {' | '.join(lines[-3:-1])[-300:]})"
-
-
-def ssh_failure(host: str, r: Result) -> tuple[str, str]:
-    """(detail, fix) for an ssh call that did not run the remote command."""
+def probe_failure(host: str, python: str, r: Result) -> tuple[str, str, str]:
+    """(check, detail, fix) with no facts: PYTHON missing or dead (the caller's fix), ssh failed or silent."""
     err = (r.stderr or "").strip()
-    last = err.splitlines()[-1][:300] if err else f"exit {r.returncode}"
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    last = lines[-1][:300] if lines else f"exit {r.returncode}"
+    if r.returncode == 97 and last.startswith("@@ "):
+        why = "does not exist on this host" if last == "@@ missing" else (
+            f"exists but does not run ({last[3:]}: {' | '.join(lines[-3:-1])[-300:]})")
+        return "runtime.python", f"PYTHON {python} {why}", ""
+    if r.ok:
+        tail = (err or r.stdout.strip())[-300:] or "empty output"
+        return "ssh", f"ssh works but the probe printed no result: {tail}", (
+            "run the probe by hand: see RUNBOOK.md#parity-ssh")
     detail, fix = next(((d, f) for pat, d, f in SSH_FAILURES if re.search(pat, err)), (
         f"ssh failed (exit {r.returncode}): {last}", "run it by hand to see why: {ssh} {host} true"))
     detail = f"no answer within the time bound ({last})" if r.timed_out else detail.format(last=last)
     cfg = os.environ.get("SSH_CONFIG")
     fix = fix.format(ssh=shlex.join(["ssh", "-F", cfg]) if cfg else "ssh", host=host)
-    return detail, fix if "RUNBOOK.md#" in fix else fix + "; see RUNBOOK.md#parity-ssh"
+    return "ssh", detail, fix if "RUNBOOK.md#" in fix else fix + "; see RUNBOOK.md#parity-ssh"
 
 
 def lock_pins(text: str, env: dict) -> dict[str, str]:
@@ -96,23 +87,11 @@ def parse_hardware_ports(text: str) -> dict[str, str]:
 
 
 def parse_ifconfig(text: str) -> dict[str, dict]:
-    """macOS `ifconfig` -> {iface: {"flags": [...], "inet": [...], "members": [...], "status": str}}."""
-    out, cur = {}, {}
-    for line in text.splitlines():
-        word = line.strip().split(" ")[0]
-        if m := re.match(r"^([A-Za-z0-9_.-]+): flags=\w+<([^>]*)>", line):
-            cur = out.setdefault(m[1], {"flags": m[2].split(","), "inet": [], "members": [], "status": ""})
-        elif cur and word in ("inet", "member:"):
-            cur["inet" if word == "inet" else "members"].append(line.split()[1])
-        elif cur and word == "status:":
-            cur["status"] = line.split(":", 1)[1].strip()
-    return out
-
-
-def parse_ibv_devices(text: str) -> list[str]:
-    """`ibv_devices` -> device names (the rows under the `------` rule)."""
-    body = text.split("------", 1)[1].split("\n", 1)[-1] if "------" in text else ""
-    return [ln.split()[0] for ln in body.splitlines() if ln.strip()]
+    """macOS `ifconfig` (tab-indented) -> {iface: {"flags", "inet", "members": [...], "status": str}}."""
+    return {name: {"flags": flags.split(","), "inet": re.findall(r"\n\s+inet (\S+)", body),
+                   "members": re.findall(r"\n\s+member: (\S+)", body),
+                   "status": "".join(re.findall(r"(?m)^\s+status: (.*?)\s*$", body)[-1:])}
+            for name, flags, body in re.findall(r"(?m)^([\w.-]+): flags=\w+<([^>]*)>(.*(?:\n\t.*)*)", text)}
 
 
 def parse_thunderbolt(text: str) -> list[dict]:
@@ -131,34 +110,34 @@ def thunderbolt_facts(ips: list[str], outputs: dict) -> tuple[str, str]:
     out = {k: v if isinstance(v, str) else "" for k, v in outputs.items()}  # a failed tool: {"error": ...}
     ports, ifaces = parse_hardware_ports(out.get("networksetup", "")), parse_ifconfig(out.get("ifconfig", ""))
     tb = parse_thunderbolt(out["system_profiler"]) if out.get("system_profiler") else []
-    problems, warns, notes = [], [], []
+    bad, warns, notes = [], [], []
     for ip in ips:
         iface = next((name for name, f in ifaces.items() if ip in f["inet"]), None)
         port, f = ports.get(iface, ""), ifaces.get(iface, {})
         up = [m for m in f.get("members", []) if ifaces.get(m, {}).get("status") == "active"]
         if iface is None:
-            problems.append(f"{ip} is on no interface")
+            bad.append(f"{ip} is on no interface")
         elif not (port.startswith("Thunderbolt") or f["members"] and
                   all(ports.get(m, "").startswith("Thunderbolt") for m in f["members"])):
             warns.append(f"{ip} is on {iface} ({port or 'unknown port'}), not Thunderbolt")
         elif f["status"] and f["status"] != "active":
-            problems.append(f"{ip} is on {iface} ({port}) but its status is {f['status']}")
+            bad.append(f"{ip} is on {iface} ({port}) but its status is {f['status']}")
         elif f["members"] and not up:
-            problems.append(f"{iface} has no active member ({', '.join(f['members'])})")
+            bad.append(f"{iface} has no active member ({', '.join(f['members'])})")
         else:
             notes.append(f"{ip} on {iface} ({port}" + (f"; active: {', '.join(up)})" if up else ")"))
     connected = [f"{p['peers'][0]} on port {p['receptacle']} at {p['speed']}" for p in tb if p["peers"]]
     if tb and not connected:
-        problems.append("no Thunderbolt peer connected on any port (system_profiler): check the cable")
+        bad.append("no Thunderbolt peer connected on any port (system_profiler): check the cable")
     notes += ["peer " + ", ".join(connected)] if connected else []
-    status = "fail" if problems else "warn" if warns else "pass"
-    return status, "; ".join(problems + warns + ([] if problems else notes))
+    return ("fail" if bad else "warn" if warns else "pass"), "; ".join(bad + warns + ([] if bad else notes))
 
 
 def rdma_missing(row: list, ibv_output: object) -> tuple[list[str], list[str], list[str]]:
-    """(wanted, missing, listed): rdma row entries (a name, a list or null) against `ibv_devices`."""
+    """(wanted, missing, listed): rdma row entries (a name, a list or null) against `ibv_devices`' rows."""
     wanted = [d for d in dict.fromkeys(d for e in row for d in (e if isinstance(e, list) else [e])) if d]
-    listed = parse_ibv_devices(ibv_output if isinstance(ibv_output, str) else "")
+    rows = (ibv_output if isinstance(ibv_output, str) else "").partition("------")[2].partition("\n")[2]
+    listed = [ln.split()[0] for ln in rows.splitlines() if ln.strip()]
     return wanted, [d for d in wanted if d not in listed], listed
 
 

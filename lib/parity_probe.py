@@ -1,6 +1,5 @@
-"""The host side of check-parity: one self-contained probe (standard library, and packaging) that prints one
-JSON object of facts; it only reads. lib/parity.py's PROBE_SH runs it as `PYTHON -c <source> '<params>'`;
-by hand:
+"""The host side of check-parity: a self-contained probe (standard library and packaging) that only reads and
+prints one JSON object of facts; lib/parity.py's PROBE_SH runs it (`PYTHON -c <source> <params>`); by hand:
     python lib/parity_probe.py '{"remote_root": "/Users/op/thunder-runbook", "parts": ["runtime"]}'
 """
 
@@ -16,6 +15,11 @@ import socket
 import sys
 import time
 
+MACOS_TOOLS = {  # their raw output; lib/parity.py parses it on the orchestrator (ibv_devices: jaccl only)
+    "networksetup": "networksetup -listallhardwareports", "ifconfig": "ifconfig", "pmset": "pmset -g",
+    "system_profiler": "system_profiler SPThunderboltDataType -json", "pmset_ps": "pmset -g ps",
+    "wired_limit": "sysctl -n iogpu.wired_limit_mb", "ibv_devices": "ibv_devices"}
+
 
 def iter_files(root, parts):
     """lib.hashing.iter_files's rule (a test keeps them in step): hidden files and __pycache__ skipped."""
@@ -26,12 +30,6 @@ def iter_files(root, parts):
             out.update(os.path.relpath(os.path.join(top, n), root).replace(os.sep, "/") for n in names
                        if not n.startswith(".") and os.path.isfile(os.path.join(top, n)))
     return sorted(out)
-
-
-def marker_env():
-    """PEP 508 marker variables of this interpreter (the lock's pins depend on them)."""
-    from packaging.markers import default_environment  # in every venv the lock builds (transformers needs it)
-    return default_environment()
 
 
 def installed_dists():
@@ -77,8 +75,7 @@ def probe_root(root):
 
 
 def probe_memory():
-    """Total and available bytes: MemAvailable on Linux; on macOS vm_stat's free, inactive, purgeable and
-    speculative pages (what it hands out without swapping)."""
+    """Total and available bytes (Linux: MemAvailable; macOS: free, inactive, purgeable, speculative)."""
     out = {"total_bytes": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")}
     if sys.platform != "darwin":
         with open("/proc/meminfo") as f:
@@ -89,8 +86,8 @@ def probe_memory():
 
 
 def probe_link(peers, enough_ms, tries=7):
-    """Round trip to each peer IP: the fastest of up to `tries` TCP handshakes to port 22 (refused is an
-    answer too); two under `enough_ms` end it (each accepted one starts a peer sshd process)."""
+    """Each peer IP's fastest of up to `tries` TCP handshakes to port 22 (refused is an answer too); two
+    under `enough_ms` end it (each accepted one starts a peer sshd process)."""
     out = {}
     for ip in peers:
         times, err = [], None
@@ -117,16 +114,6 @@ def run(argv):
                           text=True, timeout=8).stdout
 
 
-def probe_macos(want_rdma):
-    """Raw output of the macOS tools; lib/parity.py parses it on the orchestrator."""
-    cmds = {"networksetup": ["networksetup", "-listallhardwareports"], "ifconfig": ["ifconfig"],
-            "system_profiler": ["system_profiler", "SPThunderboltDataType", "-json"],
-            "pmset": ["pmset", "-g"], "pmset_ps": ["pmset", "-g", "ps"],
-            "wired_limit": ["sysctl", "-n", "iogpu.wired_limit_mb"]}
-    cmds.update({"ibv_devices": ["ibv_devices"]} if want_rdma else {})
-    return {key: guard(run, argv) for key, argv in cmds.items()}
-
-
 def guard(fn, *args):
     """fn(*args), or {"error": ...}: one failing fact must not hide the others."""
     try:
@@ -139,15 +126,17 @@ def main(argv):
     t0, p = time.monotonic(), json.loads(argv[1]) if len(argv) > 1 else {}
     root, parts = p.get("remote_root") or "/", p.get("parts") or ["runtime", "content"]
     python = p.get("python") or sys.executable
+    from packaging.markers import default_environment  # the lock's pins depend on it; transformers needs it
     env = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
-    res = {"probe_version": 5, "system": platform.system(), "marker_env": marker_env(), "env": env,
+    res = {"probe_version": 5, "system": platform.system(), "marker_env": default_environment(), "env": env,
            "python": {"requested": python, "realpath": os.path.realpath(python),
                       "version": platform.python_version()}, "disk": guard(probe_root, root)}
     if "runtime" in parts:
         res.update(packages=guard(installed_dists), mlx=guard(probe_mlx), memory=guard(probe_memory),
                    link=guard(probe_link, p.get("peers", []), float(p.get("link_enough_ms", 0.5))))
         if sys.platform == "darwin":
-            res["macos"] = probe_macos(bool(p.get("rdma")))
+            res["macos"] = {k: guard(run, cmd.split()) for k, cmd in MACOS_TOOLS.items() if p.get("rdma") or
+                            k != "ibv_devices"}
     if "content" in parts:  # {name: [its folder here, on this host, parts, hashed]}: the model with --deep
         for name, (_, base, names, hashed) in p.get("content", {}).items():
             res[name] = guard(probe_files, base, names, hashed)

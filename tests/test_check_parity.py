@@ -135,7 +135,7 @@ def test_a_macos_tool_that_failed_reads_as_no_output():
 
 
 def test_ibv_devices_lists_and_missing():
-    assert parity.parse_ibv_devices(macos("mac4-ring")["ibv_devices"]) == ["rdma_en2", "rdma_en3", "rdma_en4"]
+    assert parity.rdma_missing([], macos("mac4-ring")["ibv_devices"])[2] == ["rdma_en2", "rdma_en3", "rdma_en4"]
     assert parity.rdma_missing(["rdma_en2", "rdma_en3"], macos("mac4-jaccl")["ibv_devices"])[1] == []
     _, missing, listed = parity.rdma_missing(["rdma_en2"], macos("mac5-rdma-off")["ibv_devices"])
     assert missing == ["rdma_en2"] and listed == []
@@ -275,7 +275,9 @@ def test_wired_limit_and_working_set_against_the_calibrated_peak(tmp_path, monke
 
 def test_lock_pins_follow_the_hosts_markers():
     text = (ROOT / "requirements.lock").read_text()
-    env = parity_probe.marker_env()
+    from packaging.markers import default_environment
+
+    env = default_environment()
     linux311 = parity.lock_pins(text, dict(env, sys_platform="linux", python_full_version="3.11.7",
                                            python_version="3.11"))
     mac312 = parity.lock_pins(text, dict(env, sys_platform="darwin", platform_system="Darwin",
@@ -331,15 +333,16 @@ def test_peers_ring_and_jaccl():
     ("ssh: Could not resolve hostname mac9: Name or service not known\r\n", "host unreachable"),
 ])
 def test_ssh_failures_are_named_with_a_fix(stderr, expect):
-    detail, fix = parity.ssh_failure("fab2", Result("fab2", 255, "", stderr))
-    assert detail.startswith(expect), detail
+    name, detail, fix = parity.probe_failure("fab2", PYTHON, Result("fab2", 255, "", stderr))
+    assert name == "ssh" and detail.startswith(expect), detail
     assert "see RUNBOOK.md#parity-ssh" in fix
 
 
-def test_probe_output_survives_a_noisy_login_shell():
+def test_probe_output_survives_a_noisy_login_shell(monkeypatch):
     noisy = "Welcome to fab2!\nlast login: never\n" + json.dumps({"probe_version": 1, "x": 1}) + "\n"
-    assert parity.parse_probe_output(noisy) == {"probe_version": 1, "x": 1}
-    assert parity.parse_probe_output("Welcome\n") is None
+    for stdout, facts in ((noisy, {"probe_version": 1, "x": 1}), ("Welcome\n", None)):
+        monkeypatch.setattr(parity, "run_on", lambda *a, out=stdout, **k: Result("fab2", 0, out, ""))
+        assert parity.probe("fab2", PYTHON, {}, time.monotonic() + 5)[0] == facts
 
 
 # ---- local end to end (127.0.0.1: local execution, like mlx.launch) -----------------------------
@@ -441,7 +444,7 @@ def test_remote_root_eacces_is_file_modes(tmp_path):
     tmp_path.chmod(0o755)
     p = run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
              parity.PROBE_SOURCE.read_text(), json.dumps({"remote_root": str(root), "parts": []})])
-    disk = parity.parse_probe_output(p.stdout)["disk"]
+    disk = json.loads(p.stdout)["disk"]
     assert disk["errno"] == "EACCES", disk
     c = remote_root_check(load_script("check_parity"), str(root), disk, "Darwin")
     assert c["status"] == "fail" and "Permission denied (EACCES)" in c["detail"] and "chmod" in c["fix"]
