@@ -477,16 +477,16 @@ def train_step(r, step, it: int) -> tuple:
 
 def evaluate(r, step: int, split: str) -> None:
     """mlx-lm's evaluate on `valid` (if any) or `test`, a progress line per batch (at most one a second)."""
-    from mlx_lm.tuner.trainer import evaluate, iterate_batches
+    from mlx_lm.tuner import trainer
 
     cfg, rep, tic, phase = r.cfg, r.rep, time.perf_counter(), "val" if split == "valid" else "test"
     if r.sets[split] is None or (n := cfg[f"{phase}_batches"]) == 0:
         return
     rep.beat(phase, 0.0)
-    loss = evaluate(model=r.model, dataset=r.sets[split], batch_size=cfg["batch_size"], num_batches=n,
-                    max_seq_length=cfg["max_seq_length"], loss=losses(cfg)[1],
-                    iterate_batches=partial(iterate_batches, seed=cfg["seed"]),
-                    progress_callback=partial(rep.beat, phase))
+    loss = trainer.evaluate(model=r.model, dataset=r.sets[split], batch_size=cfg["batch_size"], num_batches=n,
+                            max_seq_length=cfg["max_seq_length"], loss=losses(cfg)[1],
+                            iterate_batches=partial(trainer.iterate_batches, seed=cfg["seed"]),
+                            progress_callback=partial(rep.beat, phase))
     r.model.train()
     dt, ppl = time.perf_counter() - tic, math.exp(loss) if loss < 700 else float("inf")
     if phase == "val":
