@@ -171,7 +171,7 @@ def pick(root: Path, cfg: dict, files_sha: str, n_batches: int, say: Callable) -
         raise failure(DATA, f"the dataset bytes changed since {chosen.name} ({was}); restore the dataset or "
                             "start a new RUN")
     if isinstance((w := st.get("window") or {}).get("loss"), list):  # written before 2026-11-24: one per rank
-        st["window"] = {"loss": sum(w["loss"]) / len(w["loss"]), "tokens": sum(w["tokens"]), "steps": w["steps"]}
+        w["loss"], w["tokens"] = sum(w["loss"]) / len(w["loss"]), sum(w["tokens"])
     say("resume", checkpoint=chosen, step=st["step"], fell_back=len(skipped) > 0)
     return chosen, st
 
