@@ -7,8 +7,7 @@
                                    sync, provision, calibrate, plan, run, status; launch, parity)
     config                         run configs, mlx-lm lora keys (train, calibrate, plan, compare;
                                    launch, checkpoint)
-    dataset                        the dataset manifest: reader, corpus binding (export, sync,
-                                   check_parity, train)
+    dataset                        the dataset manifest: reader, corpus binding (export, sync, check_parity)
     checkpoint                     crash-safe checkpoints and resume rules (train writes, smoke verifies)
     launch                         launch, watchdog, sweep, fetch, categorize, restarts (smoke, run);
                                    run manifests, reproduce.sh, provenance (compare, plan, calibrate, status)

@@ -170,6 +170,8 @@ def pick(root: Path, cfg: dict, files_sha: str, n_batches: int, say: Callable) -
         was = f"files sha256 {st['files_sha256'][:12]} -> {files_sha[:12]}"
         raise failure(DATA, f"the dataset bytes changed since {chosen.name} ({was}); restore the dataset or "
                             "start a new RUN")
+    if isinstance((w := st.get("window") or {}).get("loss"), list):  # written before 2026-11-24: one per rank
+        w["loss"], w["tokens"] = sum(w["loss"]) / len(w["loss"]), sum(w["tokens"])
     say("resume", checkpoint=chosen, step=st["step"], fell_back=len(skipped) > 0)
     return chosen, st
 

@@ -1,5 +1,5 @@
 """The one reader of an exported dataset's manifest.json (written by bin/export.py; read by
-bin/export.py, bin/sync.py, bin/check_parity.py and bin/train.py). A missing or malformed manifest raises
+bin/export.py, bin/sync.py and bin/check_parity.py). A missing or malformed manifest raises
 RunbookError naming the fix.
 
     m = read_manifest("datasets/sample")  # m["dataset_sha256"], m["files"]["train.jsonl"]["sha256"]
