@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator
-from pathlib import Path
-from typing import Any
 
 
-def dumps(obj: Any) -> str:
+def dumps(obj: object) -> str:
     """One compact line (no trailing newline); NaN/inf are refused, not written."""
     return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
 
@@ -26,18 +24,6 @@ def read(path: os.PathLike | str) -> Iterator[dict]:
                 raise ValueError(f"{path}:{n}: invalid JSON: {e.msg}") from e
 
 
-def write(f, records: Iterable[Any]) -> int:
-    """Write records to an open text file; returns how many."""
-    n = 0
-    for r in records:
-        f.write(dumps(r) + "\n")
-        n += 1
-    return n
-
-
-def append(path: os.PathLike | str, obj: Any) -> None:
-    """Append one event line and flush it (metrics, logs): a crash loses at most this line."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(dumps(obj) + "\n")
-        f.flush()
+def write(f, records: Iterable[object]) -> None:
+    """Write records to an open text file, one line each."""
+    f.writelines(dumps(r) + "\n" for r in records)
