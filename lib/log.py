@@ -25,9 +25,8 @@ FAILURES = {
     "error": ("trainer error", 1, "trainer"),
     "worse": ("worse than the base model", None, "compare-worse-than-base"),  # bin/compare.py's verdict
 }
-DESIGN_KINDS = ("parity", "data", "stability", "thunder", "hang")
-CATEGORIES = {FAILURES[k][0]: FAILURES[k][2] for k in DESIGN_KINDS}  # category -> anchor
-OTHER_FAILURES = {k: (name, anchor) for k, (name, _, anchor) in FAILURES.items() if k not in DESIGN_KINDS}
+CATEGORIES = {name: anchor for name, _, anchor in list(FAILURES.values())[:5]}  # category -> anchor
+OTHER_FAILURES = {k: (name, anchor) for k, (name, _, anchor) in list(FAILURES.items())[5:]}
 PARITY, DATA, STABILITY, THUNDER, HANG = CATEGORIES
 
 # The one out-of-memory pattern: an MLX allocation failure or a Metal GPU fault, as printed.
@@ -75,13 +74,10 @@ def failure(category: str, message: str) -> RunbookError:
     return RunbookError(message, CATEGORIES[category], category)
 
 
-def fmt(value: object) -> str:
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
-
-
 def event(name: str, /, **fields: object) -> str:
-    """Print `name k v k v ...` on stdout, flushed, and return the line."""
-    line = " ".join([name] + [f"{k} {fmt(v)}" for k, v in fields.items()])
+    """Print `name k v k v ...` on stdout (floats to 6 significant digits), flushed; returns the line."""
+    pairs = [f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items()]
+    line = " ".join([name, *pairs])
     print(line, flush=True)
     return line
 

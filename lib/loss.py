@@ -1,27 +1,21 @@
 """loss: a LoRA loss over the final hidden states that never holds more than one chunk of logits.
 
 mlx-lm's `default_loss` builds the whole [batch, tokens, vocab] logits and their gradient: GBs at
-Gemma 4's 262,144-token vocabulary. Here the backbone gives the hidden states h; the frozen head
-(tied embedding or lm_head, plain or quantized) is applied to `chunk_tokens` rows at a time, and
-each chunk's cross-entropy and its gradient with respect to h are computed together in the forward
-pass (the idea of Cut Cross-Entropy / Liger's fused linear cross-entropy; our own code):
+Gemma 4's 262,144-token vocabulary. Here the frozen head (tied embedding or lm_head, plain or quantized)
+is applied to `chunk_tokens` rows of the final hidden states h at a time, and each chunk's cross-entropy
+and its gradient with respect to h are computed together in the forward pass (the idea of Cut
+Cross-Entropy / Liger's fused linear cross-entropy; our own code):
 
     z = h_c W^T,   y = cap * tanh(z / cap)  (Gemma's final logit soft-capping; y = z without)
     loss_i = logsumexp(y_i) - y_i[t_i]                 (times mlx-lm's mask, summed)
     dL/dh_c = (softmax(y) * (1 - (y / cap)^2)) W - (1 - (y[t] / cap)^2) W[t]   (masked rows 0)
 
 An `mx.custom_function` returns the stored dL/dh as its vjp, so nothing is recomputed backwards.
-Mask, reported loss (float32 sum / ntoks) and ntoks are exactly default_loss's; it works under
-mx.compile, gradient accumulation and checkpointing. Models: mlx-lm's gemma4_text, gemma4, llama;
-a trainable head is refused.
+Mask, loss (float32 sum / ntoks) and ntoks are exactly default_loss's, under mx.compile, gradient
+accumulation and checkpointing. Models: mlx-lm's gemma4_text, gemma4, llama; a trainable head is refused.
 
-Usage (bin/train.py with `loss: chunked`; bench/bench_loss.py):
-    from lib import loss as L
-    train_loss = L.make_loss(chunk_tokens=64)              # default_loss's signature
-    eval_loss = L.make_loss(chunk_tokens=64, grad=False)   # forward only (evaluate)
-
-Example (the bench: 4 x 128 tokens at a 262,144-token vocabulary):
-    .venv/bin/python bench/bench_loss.py
+    train_loss, eval_loss = make_loss(64), make_loss(64, grad=False)  # bin/train.py, `loss: chunked`
+    .venv/bin/python bench/bench_loss.py   # against default_loss: 4 x 128 tokens, 262,144-token vocabulary
 """
 
 from __future__ import annotations
@@ -47,8 +41,7 @@ def parts(model) -> tuple:
         raise RunbookError(f"loss: chunked supports mlx-lm's {names} models, not "
                            f"{kind}.{type(model).__name__}: {DEFAULT}", ANCHOR)
     lm = model.language_model if kind.endswith(".gemma4") else model
-    tied = getattr(lm, "tie_word_embeddings", None)
-    tied = lm.args.tie_word_embeddings if tied is None else tied
+    tied = lm.args.tie_word_embeddings
     head = lm.model.embed_tokens if tied else lm.lm_head
     name = "model.embed_tokens (tied)" if tied else "lm_head"
     if tree_flatten(head.trainable_parameters()):
@@ -73,18 +66,15 @@ def head_ops(head) -> tuple:
     return lambda h: h @ w.T, lambda g: g @ w, lambda t: w[t]
 
 
-def softcapped(x: mx.array, cap) -> mx.array:
-    return x if cap is None else cap * mx.tanh(x / cap)
-
-
 def chunk_ce(h: mx.array, t: mx.array, m: mx.array, ops, cap, grad: bool) -> mx.array:
     """One chunk's masked per-token cross-entropy [n] (float32); with grad [n, hidden + 1]:
     d(sum of the chunk's losses)/dh, then the loss, in one array so the logits are computed once
     (under mx.compile its [n, vocab] float32 arrays are z, y and g)."""
     logits, back, rows = ops
     r = rows(t)
-    y = softcapped(logits(h).astype(mx.float32), cap)
-    yt = softcapped((h.astype(mx.float32) * r.astype(mx.float32)).sum(-1), cap)
+    y, yt = logits(h).astype(mx.float32), (h.astype(mx.float32) * r.astype(mx.float32)).sum(-1)
+    if cap is not None:
+        y, yt = cap * mx.tanh(y / cap), cap * mx.tanh(yt / cap)
     lse = mx.logsumexp(y, axis=-1)
     if not grad:
         return (lse - yt) * m
@@ -108,10 +98,6 @@ def chunks(h: mx.array, t: mx.array, m: mx.array, ops, cap, size: int, grad: boo
 def make_loss(chunk_tokens: int = CHUNK_TOKENS, grad: bool = True):
     """A loss(model, batch, lengths) -> (loss, ntoks) equal to mlx-lm's default_loss; grad=False
     skips the gradient work (evaluation)."""
-    if chunk_tokens < 1:
-        raise RunbookError(f"loss_chunk_tokens is {chunk_tokens}: use a positive number such as "
-                           f"{CHUNK_TOKENS}", ANCHOR)
-
     def loss(model, batch, lengths):
         backbone, head, cap = parts(model)
         inputs, targets = batch[:, :-1], batch[:, 1:]  # default_loss's mask and ntoks, as it builds them
