@@ -17,13 +17,12 @@ from pathlib import Path
 
 
 def fsync_fd(fd: int) -> None:
-    if sys.platform == "darwin":
-        try:
-            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-            return
-        except OSError:  # a filesystem that refuses it (some network mounts): plain fsync
-            pass
-    os.fsync(fd)
+    if sys.platform != "darwin":
+        return os.fsync(fd)
+    try:
+        fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+    except OSError:  # a filesystem that refuses it (some network mounts): plain fsync
+        os.fsync(fd)
 
 
 def fsync_path(path: os.PathLike | str) -> None:

@@ -13,14 +13,11 @@ from lib.log import RunbookError
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "runs"
 DATASETS = ROOT / "datasets"
-
-# A run id or dataset name becomes a folder name on every host.
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a run id or dataset name: a folder on every host
 
 
 def calibrations():
-    """(path, document) of each runs/calibration-*.json (`make calibrate`), newest first; an unreadable
-    one reads as {} (check-parity and compare each take the newest that fits)."""
+    """(path, document) of each runs/calibration-*.json, newest first; an unreadable one reads as {}."""
     for path in sorted(RUNS.glob("calibration-*.json"), reverse=True):
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
@@ -30,7 +27,6 @@ def calibrations():
 
 
 def is_safe_name(name: str) -> bool:
-    """Letters, digits, '.', '_', '-'; no leading punctuation, no '..'."""
     return bool(NAME_RE.match(name)) and ".." not in name
 
 
@@ -58,8 +54,7 @@ def rel(path: os.PathLike | str) -> str:
 
 
 def missing_shards(model: Path) -> list[str]:
-    """The weight files a sharded model's model.safetensors.index.json names that are not in the folder
-    (an interrupted download or copy); [] for a complete or unsharded model."""
+    """The weight files model.safetensors.index.json names that are not in the folder ([]: complete)."""
     index = model / "model.safetensors.index.json"
     if not index.is_file():
         return []
@@ -73,6 +68,5 @@ def missing_shards(model: Path) -> list[str]:
 def require_complete(model: Path, name: str, anchor: str) -> None:
     """Refuse a sharded model folder with a shard missing (sync and check-parity, before any host)."""
     if gone := missing_shards(model):
-        raise RunbookError(f"MODEL {name} is incomplete here: model.safetensors.index.json names "
-                           f"{', '.join(gone)}, not in the folder; fetch it again (make model ... REPLACE=1)",
-                           anchor)
+        raise RunbookError(f"MODEL {name} is incomplete here: model.safetensors.index.json names {', '.join(gone)}"
+                           ", not in the folder; fetch it again (make model ... REPLACE=1)", anchor)
