@@ -6,7 +6,6 @@ a wrong type is an error naming the key, the file and the line. `1e-5` is a floa
     from lib import config
     cfg = config.resolve("configs/smoke.yaml", {"model": "models/tiny-gemma4", "data": "datasets/d"})
     config.config_hash(cfg)               # what a resume must match
-    config.fallback_ladder(cfg, argv, 2)  # out-of-memory rungs for 2 ranks
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The one reader of an exported dataset's manifest.json (written by bin/export.py; read by
-bin/export.py, bin/sync.py, bin/check_parity.py and bin/train.py). A missing or malformed manifest raises
-RunbookError naming the fix.
-
+"""The one reader of an exported dataset's manifest.json (bin/export.py writes it; export, sync,
+check_parity and train read it); a missing or malformed one raises RunbookError naming the fix.
     m = read_manifest("datasets/sample")  # m["dataset_sha256"], m["files"]["train.jsonl"]["sha256"]
     binding(m)   # {"files": [[path, sha256], ...], "settings": {...}}: what the dataset is bound to
     describe(m)  # "datasets/sample/corpus.jsonl (corpus_sha256 0b6f...) -> train 1883 / valid 105 / test 98 records"

@@ -1,7 +1,5 @@
-"""Event lines on stdout, errors that name their fix, and the one table of failures (FAILURES).
-
-An event is one grep-able line, `event k1 v1 k2 v2`, e.g. `iter 120 train_loss 2.314 tok/s 1830`.
-A failure prints its category and ends with `see RUNBOOK.md#anchor`, a heading of RUNBOOK.md:
+"""Event lines on stdout (`iter 120 train_loss 2.314 tok/s 1830`), errors that name their fix and end
+with `see RUNBOOK.md#anchor`, and the one table of failures (FAILURES):
     raise failure(DATA, "datasets/x/train.jsonl not found on mac5")   # category + anchor
     raise RunbookError("no verified checkpoint under runs/x", "resume")  # kind by anchor
 """

@@ -67,9 +67,8 @@ def head_ops(head) -> tuple:
 
 
 def chunk_ce(h: mx.array, t: mx.array, m: mx.array, ops, cap, grad: bool) -> mx.array:
-    """One chunk's masked per-token cross-entropy [n] (float32); with grad [n, hidden + 1]:
-    d(sum of the chunk's losses)/dh, then the loss, in one array so the logits are computed once
-    (under mx.compile its [n, vocab] float32 arrays are z, y and g)."""
+    """One chunk's masked per-token cross-entropy [n] (float32); with grad [n, hidden + 1]: d(sum of the
+    chunk's losses)/dh, then the loss, in one array so the logits are computed once."""
     logits, back, rows = ops
     r = rows(t)
     y, yt = logits(h).astype(mx.float32), (h.astype(mx.float32) * r.astype(mx.float32)).sum(-1)
@@ -86,8 +85,7 @@ def chunk_ce(h: mx.array, t: mx.array, m: mx.array, ops, cap, grad: bool) -> mx.
 
 
 def chunks(h: mx.array, t: mx.array, m: mx.array, ops, cap, size: int, grad: bool) -> mx.array:
-    """chunk_ce over consecutive `size` rows, each after the one before (else MLX's scheduler
-    may start every chunk's logits at once)."""
+    """chunk_ce over consecutive `size` rows, each after the one before (not all chunks' logits at once)."""
     out = []
     for a in range(0, h.shape[0], size):
         hc = h[a:a + size] if not out else mx.depends(h[a:a + size], out[-1])
@@ -96,8 +94,7 @@ def chunks(h: mx.array, t: mx.array, m: mx.array, ops, cap, size: int, grad: boo
 
 
 def make_loss(chunk_tokens: int = CHUNK_TOKENS, grad: bool = True):
-    """A loss(model, batch, lengths) -> (loss, ntoks) equal to mlx-lm's default_loss; grad=False
-    skips the gradient work (evaluation)."""
+    """A loss(model, batch, lengths) -> (loss, ntoks) equal to mlx-lm's default_loss (grad=False: evaluation)."""
     def loss(model, batch, lengths):
         backbone, head, cap = parts(model)
         inputs, targets = batch[:, :-1], batch[:, 1:]  # default_loss's mask and ntoks, as it builds them

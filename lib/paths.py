@@ -47,10 +47,7 @@ def run_dir(run: str) -> Path:
 def rel(path: os.PathLike | str) -> str:
     """A path relative to the repo root when it is inside it (for reports), else absolute."""
     p = Path(path).resolve()
-    try:
-        return str(p.relative_to(ROOT))
-    except ValueError:
-        return str(p)
+    return str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p)
 
 
 def missing_shards(model: Path) -> list[str]:
