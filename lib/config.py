@@ -122,8 +122,7 @@ def validate(cfg: dict, source: str = "config", lines: dict[str, int] | None = N
             near = "".join(f" (did you mean {k!r}?)" for k in difflib.get_close_matches(str(key), KEYS, 1))
             raise ConfigError(f"{where.get(key, source)}: unknown config key {key!r}{near}; keys are mlx-lm "
                               "lora's plus the runbook's (lib/config.py DEFAULTS)")
-    for key, (_, check) in KEYS.items():
-        if key in cfg and (why := check(cfg[key])) is not None:
+        if (why := KEYS[key][1](cfg[key])) is not None:
             raise ConfigError(f"{where.get(key, source)}: {key} must be {why}, got {cfg[key]!r}")
     if not math.isfinite(lr := cfg.get("learning_rate", 1.0)) or lr <= 0:
         raise ConfigError(f"{where.get('learning_rate', source)}: learning_rate is {lr!r}: it must be a "

@@ -14,8 +14,6 @@ from pathlib import Path
 from lib.hashing import digest_of
 from lib.log import DATA, failure
 
-SHA256 = re.compile(r"[0-9a-f]{64}")
-
 
 def read_manifest(dataset_dir: Path | str) -> dict:
     """The manifest of the dataset in `dataset_dir`: `files` maps plain names to {sha256, bytes, records}."""
@@ -30,7 +28,7 @@ def read_manifest(dataset_dir: Path | str) -> dict:
     files = m.get("files") if isinstance(m, dict) else None
     if not isinstance(files, dict) or not files or not all(
             isinstance(v, dict) and "/" not in k and k not in ("", ".", "..", "manifest.json")
-            and SHA256.fullmatch(str(v.get("sha256", ""))) for k, v in files.items()):
+            and re.fullmatch(r"[0-9a-f]{64}", str(v.get("sha256", ""))) for k, v in files.items()):
         raise failure(DATA, f"{path} has no valid 'files' table (plain names with a sha256): {fix}")
     return m
 

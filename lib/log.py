@@ -67,8 +67,7 @@ def error_of_code(code: int, message: str) -> RunbookError:
     return RunbookError(message, anchor, name if name in CATEGORIES else None)
 
 
-def failure(category: str, message: str) -> RunbookError:
-    """A RunbookError of one of DESIGN.md's categories, with its anchor."""
+def failure(category: str, message: str) -> RunbookError:  # one of DESIGN.md's categories, with its anchor
     return RunbookError(message, CATEGORIES[category], category)
 
 

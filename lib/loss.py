@@ -29,7 +29,6 @@ from lib.log import OTHER_FAILURES, RunbookError
 CHUNK_TOKENS = 64  # rows of hidden states per chunk (config key loss_chunk_tokens)
 ANCHOR = OTHER_FAILURES["config"][1]
 MODULES = ("mlx_lm.models.gemma4_text", "mlx_lm.models.gemma4", "mlx_lm.models.llama")
-HEADS = (nn.Embedding, nn.QuantizedEmbedding, nn.Linear, nn.QuantizedLinear)
 DEFAULT = "set `loss: default` in the run config"
 
 
@@ -37,18 +36,16 @@ def parts(model) -> tuple:
     """(backbone, head, softcap) of a supported model as its __call__ uses them, else a RunbookError."""
     kind = type(model).__module__
     if kind not in MODULES:
-        names = ", ".join(m.rsplit(".", 1)[1] for m in MODULES)
-        raise RunbookError(f"loss: chunked supports mlx-lm's {names} models, not "
-                           f"{kind}.{type(model).__name__}: {DEFAULT}", ANCHOR)
+        raise RunbookError(f"loss: chunked supports mlx-lm's {', '.join(m.rsplit('.', 1)[1] for m in MODULES)} "
+                           f"models, not {kind}.{type(model).__name__}: {DEFAULT}", ANCHOR)
     lm = model.language_model if kind.endswith(".gemma4") else model
     tied = lm.args.tie_word_embeddings
-    head = lm.model.embed_tokens if tied else lm.lm_head
-    name = "model.embed_tokens (tied)" if tied else "lm_head"
+    head, name = (lm.model.embed_tokens, "model.embed_tokens (tied)") if tied else (lm.lm_head, "lm_head")
     if tree_flatten(head.trainable_parameters()):
         raise RunbookError(f"loss: chunked computes no gradient for the output head, but {name} is trainable "
                            f"(full fine-tuning, or LoRA keys naming the head): freeze it (LoRA) or {DEFAULT}",
                            ANCHOR)
-    if type(head) not in HEADS or "bias" in head:
+    if type(head) not in (nn.Embedding, nn.QuantizedEmbedding, nn.Linear, nn.QuantizedLinear) or "bias" in head:
         raise RunbookError(f"loss: chunked needs a plain or quantized head without bias, but {name} is "
                            f"{type(head).__name__}: {DEFAULT}", ANCHOR)
     return lm.model, head, getattr(lm, "final_logit_softcapping", None)
@@ -101,8 +98,7 @@ def make_loss(chunk_tokens: int = CHUNK_TOKENS, grad: bool = True):
         steps = mx.arange(1, targets.shape[1] + 1)
         mask = mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:])
         ntoks, h = mask.sum(), backbone(inputs)
-        n = h.shape[0] * h.shape[1]
-        h, t, m = h.reshape(n, h.shape[-1]), targets.reshape(n), mask.reshape(n).astype(mx.float32)
+        h, t, m = h.reshape(-1, h.shape[-1]), targets.reshape(-1), mask.reshape(-1).astype(mx.float32)
         ops = head_ops(head)
         if not grad:
             return chunks(h, t, m, ops, cap, chunk_tokens, False).sum() / ntoks, ntoks
