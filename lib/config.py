@@ -174,8 +174,7 @@ def diff_keys(a: dict, b: dict) -> list[str]:
     return sorted(k for k in (set(a) | set(b)) - RESUMABLE if a.get(k) != b.get(k))
 
 
-def check_world(cfg: dict, world_size: int) -> None:
-    """batch_size is the global batch (mlx-lm's meaning): every rank takes batch_size / world."""
+def check_world(cfg: dict, world_size: int) -> None:  # batch_size is the global batch, as in mlx-lm
     if cfg["batch_size"] % world_size:
         raise ConfigError(f"batch_size {cfg['batch_size']} is the global batch and must be divisible by the world "
                           f"size {world_size} (each rank takes batch_size / {world_size}): use a multiple of it")

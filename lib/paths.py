@@ -37,8 +37,7 @@ def check_run_id(run: str) -> str:
     return run
 
 
-def run_dir(run: str) -> Path:
-    """runs/<RUN>/, created with its logs/ folder."""
+def run_dir(run: str) -> Path:  # runs/<RUN>/, created with its logs/ folder
     path = RUNS / check_run_id(run)
     (path / "logs").mkdir(parents=True, exist_ok=True)
     return path
