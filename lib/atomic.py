@@ -9,21 +9,20 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import sys
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 
 def fsync_fd(fd: int) -> None:
-    if sys.platform == "darwin":
-        try:
-            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-            return
-        except OSError:  # a filesystem that refuses it (some network mounts): plain fsync
-            pass
-    os.fsync(fd)
+    if sys.platform != "darwin":
+        return os.fsync(fd)
+    try:
+        fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+    except OSError:  # a filesystem that refuses it (some network mounts): plain fsync
+        os.fsync(fd)
 
 
 def fsync_path(path: os.PathLike | str) -> None:
@@ -35,18 +34,17 @@ def fsync_path(path: os.PathLike | str) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
-    os.umask(mask := os.umask(0))
-    return mask
+def _sibling(path: Path) -> Path:
+    """A new temporary name beside path (created by the caller with O_EXCL: the umask applies as usual)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
 
 
 @contextmanager
 def atomic_open(path: os.PathLike | str, mode: str = "w", **kw):
     """A temp file beside `path`, renamed over it on a clean exit; on an exception `path` is untouched."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the result is an ordinary file
+    fd = os.open(tmp := _sibling(path), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, mode, **kw) as f:
             yield f
@@ -55,7 +53,7 @@ def atomic_open(path: os.PathLike | str, mode: str = "w", **kw):
         os.replace(tmp, path)
         fsync_path(path.parent)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -81,9 +79,7 @@ def write_json(path: os.PathLike | str, obj: object) -> None:
 def atomic_dir(path: os.PathLike | str):
     """A temp folder that replaces `path` on a clean exit; on an exception `path` is untouched."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; the result is an ordinary folder
+    (tmp := _sibling(path)).mkdir()
     try:
         yield tmp
         for child in (c for c in tmp.rglob("*") if c.is_file()):

@@ -6,7 +6,6 @@ a wrong type is an error naming the key, the file and the line. `1e-5` is a floa
     from lib import config
     cfg = config.resolve("configs/smoke.yaml", {"model": "models/tiny-gemma4", "data": "datasets/d"})
     config.config_hash(cfg)               # what a resume must match
-    config.fallback_ladder(cfg, argv, 2)  # out-of-memory rungs for 2 ranks
 """
 
 from __future__ import annotations
@@ -51,6 +50,10 @@ def _is(want: str, test):
     return lambda v: None if test(v) else want
 
 
+def _in(*choices: str):
+    return _is(f"one of {', '.join(choices)}", lambda v: v in choices)
+
+
 def _int(lo: int, *allow: int):
     want = f"an integer >= {lo}" + (f" (or {', '.join(map(str, allow))})" if allow else "")
     return _is(want, lambda v: type(v) is int and (v >= lo or v in allow))
@@ -64,9 +67,9 @@ def _num(above: float | None = None):
 def _lora(v):
     d = v if isinstance(v, dict) else {}
     extra = "".join(f"; not {k!r}" for k in sorted(set(d) - {"rank", "scale", "dropout", "keys"}))
-    ok = (d and not extra and {"rank", "scale", "dropout"} <= set(d) and _int(1)(d["rank"]) is None
-          and _num()(d["scale"]) is None and type(d["dropout"]) in (int, float) and 0 <= d["dropout"] < 1
-          and isinstance(d.get("keys", []), list) and all(isinstance(x, str) for x in d.get("keys", [])))
+    ok = (not extra and {"rank", "scale", "dropout"} <= set(d) and _int(1)(d["rank"]) is None
+          and _num()(d["scale"]) is None and _num()(d["dropout"]) is None and 0 <= d["dropout"] < 1
+          and isinstance(keys := d.get("keys", []), list) and all(isinstance(x, str) for x in keys))
     return None if ok else ("mlx-lm's mapping of rank (an integer >= 1), scale (a finite number), dropout "
                             f"(>= 0, < 1) and optional keys (a list of module names){extra}")
 
@@ -75,40 +78,30 @@ _bool = _is("true or false", lambda v: isinstance(v, bool))
 _str = _is("a non-empty string", lambda v: isinstance(v, str) and v != "")
 _opt_str = _is("null or a non-empty string", lambda v: v is None or _str(v) is None)
 _opt_pos = _is("null or a finite number > 0", lambda v: v is None or _num(0)(v) is None)
-_opt_cfg = _is(f"a mapping of optimizer name ({', '.join(OPTIMIZERS)}) -> keyword arguments", lambda v:
-               isinstance(v, dict) and set(v) <= set(OPTIMIZERS) and set(map(type, v.values())) <= {dict})
-# mlx-lm's build_schedule checks the rest when the trainer builds it (a failure there is a config error).
-_schedule = _is("null or a mapping with name and a non-empty list of arguments (mlx.optimizers.schedulers)",
-                lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("name"), str)
-                                        and isinstance(v.get("arguments"), list) and len(v["arguments"]) > 0))
 
 # key: (default, check): mlx-lm's CONFIG_DEFAULTS (mlx_lm/lora.py) minus the refused keys, then the runbook's.
 KEYS = {
     "model": (None, _opt_str), "data": (None, _opt_str),
     "train": (True, _is("true (the trainer always trains)", lambda v: v is True)),
-    "fine_tune_type": ("lora", _is("one of lora, dora, full", lambda v: v in ("lora", "dora", "full"))),
-    "optimizer": ("adam", _is(f"one of {', '.join(OPTIMIZERS)}", lambda v: v in OPTIMIZERS)),
-    "optimizer_config": ({k: {} for k in OPTIMIZERS}, _opt_cfg), "seed": (0, _int(0)),
+    "fine_tune_type": ("lora", _in("lora", "dora", "full")), "optimizer": ("adam", _in(*OPTIMIZERS)),
+    # the trainer refuses (as a config error) what mlx-lm's optimizers and build_schedule do not take
+    "optimizer_config": ({k: {} for k in OPTIMIZERS}, _is("a mapping", lambda v: isinstance(v, dict))),
+    "lr_schedule": (None, _is("null or a mapping", lambda v: v is None or isinstance(v, dict))), "seed": (0, _int(0)),
     "num_layers": (16, _int(1, -1)), "batch_size": (4, _int(1)), "iters": (1000, _int(1)),
-    "val_batches": (25, _int(0, -1)),
-    "learning_rate": (1e-5, _is("a number", lambda v: type(v) in (int, float))),  # > 0: see validate()
-    "steps_per_report": (10, _int(1)), "steps_per_eval": (200, _int(1)),
-    "resume_adapter_file": (None, _opt_str), "save_every": (100, _int(1)), "test": (False, _bool),
-    "test_batches": (500, _int(0, -1)), "max_seq_length": (2048, _int(2)), "grad_checkpoint": (False, _bool),
-    "grad_accumulation_steps": (1, _int(1)), "clear_cache_threshold": (0, _int(0)),
-    "lr_schedule": (None, _schedule), "lora_parameters": ({"rank": 8, "dropout": 0.0, "scale": 20.0}, _lora),
+    "val_batches": (25, _int(0, -1)), "learning_rate": (1e-5, _is("a number", lambda v: type(v) in (int, float))),
+    "steps_per_report": (10, _int(1)), "steps_per_eval": (200, _int(1)), "save_every": (100, _int(1)),
+    "resume_adapter_file": (None, _opt_str), "test": (False, _bool), "test_batches": (500, _int(0, -1)),
+    "max_seq_length": (2048, _int(2)), "grad_checkpoint": (False, _bool), "grad_accumulation_steps": (1, _int(1)),
+    "clear_cache_threshold": (0, _int(0)), "lora_parameters": ({"rank": 8, "dropout": 0.0, "scale": 20.0}, _lora),
     "mask_prompt": (False, _bool), "trust_remote_code": (False, _bool), "chat_feature": ("messages", _str),
-    "prompt_feature": ("prompt", _str), "completion_feature": ("completion", _str),
-    "text_feature": ("text", _str),
+    "prompt_feature": ("prompt", _str), "completion_feature": ("completion", _str), "text_feature": ("text", _str),
     "keep_last_k": (3, _int(2)),  # checkpoints kept besides the best-by-validation and the final one
     "watchdog_s": (None, _opt_pos),  # orchestrator watchdog window (s); null = max(10 x median step, 300)
     "divergence_factor": (4.0, _num(1)),  # a loss above this x the first step's within the
     "divergence_window": (50, _int(0)),  # first divergence_window steps stops the run (NaN/inf: any step)
     # default: mlx-lm's default_loss; chunked: lib/loss.py, loss_chunk_tokens rows of hidden states a chunk
-    "loss": ("default", _is("default or chunked", lambda v: v in ("default", "chunked"))),
-    "loss_chunk_tokens": (64, _int(1)),
-    # mlx_lm: mean of per-rank means; tokens: sum / global token count
-    "grad_average": ("mlx_lm", _is("mlx_lm or tokens", lambda v: v in ("mlx_lm", "tokens"))),
+    "loss": ("default", _in("default", "chunked")), "loss_chunk_tokens": (64, _int(1)),
+    "grad_average": ("mlx_lm", _in("mlx_lm", "tokens")),  # mean of rank means, or sum / global tokens
     "max_grad_norm": (None, _opt_pos),  # clip the global gradient norm before the step (null: no clipping)
 }
 DEFAULTS = {k: default for k, (default, _) in KEYS.items()}
@@ -129,8 +122,7 @@ def validate(cfg: dict, source: str = "config", lines: dict[str, int] | None = N
             near = "".join(f" (did you mean {k!r}?)" for k in difflib.get_close_matches(str(key), KEYS, 1))
             raise ConfigError(f"{where.get(key, source)}: unknown config key {key!r}{near}; keys are mlx-lm "
                               "lora's plus the runbook's (lib/config.py DEFAULTS)")
-    for key, (_, check) in KEYS.items():
-        if key in cfg and (why := check(cfg[key])) is not None:
+        if (why := KEYS[key][1](cfg[key])) is not None:
             raise ConfigError(f"{where.get(key, source)}: {key} must be {why}, got {cfg[key]!r}")
     if not math.isfinite(lr := cfg.get("learning_rate", 1.0)) or lr <= 0:
         raise ConfigError(f"{where.get('learning_rate', source)}: learning_rate is {lr!r}: it must be a "
@@ -182,13 +174,10 @@ def diff_keys(a: dict, b: dict) -> list[str]:
     return sorted(k for k in (set(a) | set(b)) - RESUMABLE if a.get(k) != b.get(k))
 
 
-def check_world(cfg: dict, world_size: int) -> None:
-    """batch_size is the global batch (mlx-lm's meaning): every rank takes batch_size / world."""
+def check_world(cfg: dict, world_size: int) -> None:  # batch_size is the global batch, as in mlx-lm
     if cfg["batch_size"] % world_size:
-        lo = cfg["batch_size"] - cfg["batch_size"] % world_size
-        raise ConfigError(f"batch_size {cfg['batch_size']} is the global batch and must be divisible by the "
-                          f"world size {world_size} (each rank takes batch_size / {world_size}): use "
-                          f"{f'{lo} or {lo + world_size}' if lo else world_size}")
+        raise ConfigError(f"batch_size {cfg['batch_size']} is the global batch and must be divisible by the world "
+                          f"size {world_size} (each rank takes batch_size / {world_size}): use a multiple of it")
 
 
 def set_flag(argv: list[str], flag: str, value: object) -> list[str]:

@@ -1,10 +1,8 @@
-"""The one reader of an exported dataset's manifest.json (written by bin/export.py; read by
-bin/export.py, bin/sync.py and bin/check_parity.py). A missing or malformed manifest raises
-RunbookError naming the fix.
-
+"""The one reader of an exported dataset's manifest.json (bin/export.py writes it; export, sync
+and check_parity read it); a missing or malformed one raises RunbookError naming the fix.
     m = read_manifest("datasets/sample")  # m["dataset_sha256"], m["files"]["train.jsonl"]["sha256"]
     binding(m)   # {"files": [[path, sha256], ...], "settings": {...}}: what the dataset is bound to
-    describe(m)  # "datasets/sample/corpus.jsonl (corpus_sha256 0b6f...) -> train 1883 / ... records"
+    describe(m)  # "datasets/sample/corpus.jsonl (corpus_sha256 0b6f...) -> train 1883 / valid 105 / test 98 records"
 """
 
 from __future__ import annotations
@@ -16,13 +14,11 @@ from pathlib import Path
 from lib.hashing import digest_of
 from lib.log import DATA, failure
 
-SHA256 = re.compile(r"[0-9a-f]{64}")
-
 
 def read_manifest(dataset_dir: Path | str) -> dict:
     """The manifest of the dataset in `dataset_dir`: `files` maps plain names to {sha256, bytes, records}."""
     path = Path(dataset_dir) / "manifest.json"
-    fix = f"export it again: make export CORPUS=<files> DATASET={path.parent.name} (REPLACE=1 replaces it)"
+    fix = f"export it again: make export CORPUS=<files> DATASET={path.parent.name} (REPLACE=1 replaces a dataset)"
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -32,13 +28,13 @@ def read_manifest(dataset_dir: Path | str) -> dict:
     files = m.get("files") if isinstance(m, dict) else None
     if not isinstance(files, dict) or not files or not all(
             isinstance(v, dict) and "/" not in k and k not in ("", ".", "..", "manifest.json")
-            and SHA256.fullmatch(str(v.get("sha256", ""))) for k, v in files.items()):
+            and re.fullmatch(r"[0-9a-f]{64}", str(v.get("sha256", ""))) for k, v in files.items()):
         raise failure(DATA, f"{path} has no valid 'files' table (plain names with a sha256): {fix}")
     return m
 
 
 def binding(m: dict) -> dict:
-    """What a dataset is bound to (only export --replace changes it): corpus files, byte-changing settings."""
+    """What a dataset is bound to (changed only by export --replace): its corpus files and byte-changing settings."""
     return {"files": [[x.get("path"), x.get("sha256")] for x in m.get("sources") or []],
             "settings": {k: v for k, v in (m.get("settings") or {}).items() if k != "max_reject_ratio"}}
 
@@ -46,6 +42,6 @@ def binding(m: dict) -> dict:
 def describe(m: dict) -> str:
     """What a dataset (or an export request) holds, in one line: corpus files, corpus_sha256, records."""
     files, c = binding(m)["files"], m.get("counts")
-    names = ", ".join(str(p) for p, _ in files[:3]) + (f" and {len(files) - 3} more" if files[3:] else "")
-    counts = c and f" -> train {c.get('train')} / valid {c.get('valid')} / test {c.get('test')} records"
-    return f"{names} (corpus_sha256 {digest_of(dict(files))[:12]}){counts or ''}"
+    names = ", ".join(str(p) for p, _ in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    counts = f" -> train {c.get('train')} / valid {c.get('valid')} / test {c.get('test')} records" if c else ""
+    return f"{names} (corpus_sha256 {digest_of(dict(files))[:12]}){counts}"

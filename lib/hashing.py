@@ -8,15 +8,10 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-CHUNK = 1 << 20
-
 
 def sha256_file(path: os.PathLike | str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def iter_files(root: os.PathLike | str, parts: Iterable[str]) -> list[str]:

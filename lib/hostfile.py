@@ -91,10 +91,9 @@ def parse(data: object, path: str = "<hostfile>") -> Hostfile:
          f"hosts or an object of mlx.launch's backend, envs and hosts; got {str(data)[:80]}")
     backend, envs, raw = data.get("backend", ""), data.get("envs", []), data.get("hosts")
     need(backend in BACKENDS, f"{path}: backend {backend!r} unknown; use one of {', '.join(BACKENDS[1:])}")
-    need(isinstance(envs, list), f"{path}: 'envs' must be a list of NAME=value strings")
-    for i, e in enumerate(envs):
-        need(isinstance(e, str) and ENV_RE.match(e), f"{path}: envs[{i}]: env entry {e!r} refused: use "
-             "NAME=value with a value of letters, digits and ./:,@%+=-_ only")
+    bad = [e for e in envs if not (isinstance(e, str) and ENV_RE.match(e))] if isinstance(envs, list) else [envs]
+    need(not bad, f"{path}: env entry {bad} refused: 'envs' is a list of NAME=value with a value of letters, "
+         "digits and ./:,@%+=-_ only")
     need(isinstance(raw, list) and raw, f"{path}: 'hosts' must be a non-empty list")
     hosts, n = [parse_host(i, h, path) for i, h in enumerate(raw)], len(raw)
     need(backend not in ("ring", "") or n == 1 or all(h.ips for h in hosts), f"{path}: the ring backend "

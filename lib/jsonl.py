@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 
-def dumps(obj: Any) -> str:
+def dumps(obj: object) -> str:
     """One compact line (no trailing newline); NaN/inf are refused, not written."""
     return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
 
@@ -25,8 +24,6 @@ def read(path: os.PathLike | str) -> Iterator[dict]:
                 raise ValueError(f"{path}:{n}: invalid JSON: {e.msg}") from e
 
 
-def write(f, records: Iterable[Any]) -> int:
-    """Write records to an open text file; returns how many."""
-    lines = [dumps(r) + "\n" for r in records]
-    f.writelines(lines)
-    return len(lines)
+def write(f, records: Iterable[object]) -> None:
+    """Write records to an open text file, one line each."""
+    f.writelines(dumps(r) + "\n" for r in records)

@@ -1,7 +1,5 @@
-"""Event lines on stdout, errors that name their fix, and the one table of failures (FAILURES).
-
-An event is one grep-able line, `event k1 v1 k2 v2`, e.g. `iter 120 train_loss 2.314 tok/s 1830`.
-A failure prints its category and ends with `see RUNBOOK.md#anchor`, a heading of RUNBOOK.md:
+"""Event lines on stdout (`iter 120 train_loss 2.314 tok/s 1830`), errors that name their fix and end
+with `see RUNBOOK.md#anchor`, and the one table of failures (FAILURES):
     raise failure(DATA, "datasets/x/train.jsonl not found on mac5")   # category + anchor
     raise RunbookError("no verified checkpoint under runs/x", "resume")  # kind by anchor
 """
@@ -25,9 +23,8 @@ FAILURES = {
     "error": ("trainer error", 1, "trainer"),
     "worse": ("worse than the base model", None, "compare-worse-than-base"),  # bin/compare.py's verdict
 }
-DESIGN_KINDS = ("parity", "data", "stability", "thunder", "hang")
-CATEGORIES = {FAILURES[k][0]: FAILURES[k][2] for k in DESIGN_KINDS}  # category -> anchor
-OTHER_FAILURES = {k: (name, anchor) for k, (name, _, anchor) in FAILURES.items() if k not in DESIGN_KINDS}
+CATEGORIES = {name: anchor for name, _, anchor in list(FAILURES.values())[:5]}  # category -> anchor
+OTHER_FAILURES = {k: (name, anchor) for k, (name, _, anchor) in list(FAILURES.items())[5:]}
 PARITY, DATA, STABILITY, THUNDER, HANG = CATEGORIES
 
 # The one out-of-memory pattern: an MLX allocation failure or a Metal GPU fault, as printed.
@@ -70,18 +67,14 @@ def error_of_code(code: int, message: str) -> RunbookError:
     return RunbookError(message, anchor, name if name in CATEGORIES else None)
 
 
-def failure(category: str, message: str) -> RunbookError:
-    """A RunbookError of one of DESIGN.md's categories, with its anchor."""
+def failure(category: str, message: str) -> RunbookError:  # one of DESIGN.md's categories, with its anchor
     return RunbookError(message, CATEGORIES[category], category)
 
 
-def fmt(value: object) -> str:
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
-
-
 def event(name: str, /, **fields: object) -> str:
-    """Print `name k v k v ...` on stdout, flushed, and return the line."""
-    line = " ".join([name] + [f"{k} {fmt(v)}" for k, v in fields.items()])
+    """Print `name k v k v ...` on stdout (floats to 6 significant digits), flushed; returns the line."""
+    pairs = [f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items()]
+    line = " ".join([name, *pairs])
     print(line, flush=True)
     return line
 

@@ -1,27 +1,21 @@
 """loss: a LoRA loss over the final hidden states that never holds more than one chunk of logits.
 
 mlx-lm's `default_loss` builds the whole [batch, tokens, vocab] logits and their gradient: GBs at
-Gemma 4's 262,144-token vocabulary. Here the backbone gives the hidden states h; the frozen head
-(tied embedding or lm_head, plain or quantized) is applied to `chunk_tokens` rows at a time, and
-each chunk's cross-entropy and its gradient with respect to h are computed together in the forward
-pass (the idea of Cut Cross-Entropy / Liger's fused linear cross-entropy; our own code):
+Gemma 4's 262,144-token vocabulary. Here the frozen head (tied embedding or lm_head, plain or quantized)
+is applied to `chunk_tokens` rows of the final hidden states h at a time, and each chunk's cross-entropy
+and its gradient with respect to h are computed together in the forward pass (the idea of Cut
+Cross-Entropy / Liger's fused linear cross-entropy; our own code):
 
     z = h_c W^T,   y = cap * tanh(z / cap)  (Gemma's final logit soft-capping; y = z without)
     loss_i = logsumexp(y_i) - y_i[t_i]                 (times mlx-lm's mask, summed)
     dL/dh_c = (softmax(y) * (1 - (y / cap)^2)) W - (1 - (y[t] / cap)^2) W[t]   (masked rows 0)
 
 An `mx.custom_function` returns the stored dL/dh as its vjp, so nothing is recomputed backwards.
-Mask, reported loss (float32 sum / ntoks) and ntoks are exactly default_loss's; it works under
-mx.compile, gradient accumulation and checkpointing. Models: mlx-lm's gemma4_text, gemma4, llama;
-a trainable head is refused.
+Mask, loss (float32 sum / ntoks) and ntoks are exactly default_loss's, under mx.compile, gradient
+accumulation and checkpointing. Models: mlx-lm's gemma4_text, gemma4, llama; a trainable head is refused.
 
-Usage (bin/train.py with `loss: chunked`; bench/bench_loss.py):
-    from lib import loss as L
-    train_loss = L.make_loss(chunk_tokens=64)              # default_loss's signature
-    eval_loss = L.make_loss(chunk_tokens=64, grad=False)   # forward only (evaluate)
-
-Example (the bench: 4 x 128 tokens at a 262,144-token vocabulary):
-    .venv/bin/python bench/bench_loss.py
+    train_loss, eval_loss = make_loss(64), make_loss(64, grad=False)  # bin/train.py, `loss: chunked`
+    .venv/bin/python bench/bench_loss.py   # against default_loss: 4 x 128 tokens, 262,144-token vocabulary
 """
 
 from __future__ import annotations
@@ -35,7 +29,6 @@ from lib.log import OTHER_FAILURES, RunbookError
 CHUNK_TOKENS = 64  # rows of hidden states per chunk (config key loss_chunk_tokens)
 ANCHOR = OTHER_FAILURES["config"][1]
 MODULES = ("mlx_lm.models.gemma4_text", "mlx_lm.models.gemma4", "mlx_lm.models.llama")
-HEADS = (nn.Embedding, nn.QuantizedEmbedding, nn.Linear, nn.QuantizedLinear)
 DEFAULT = "set `loss: default` in the run config"
 
 
@@ -43,19 +36,16 @@ def parts(model) -> tuple:
     """(backbone, head, softcap) of a supported model as its __call__ uses them, else a RunbookError."""
     kind = type(model).__module__
     if kind not in MODULES:
-        names = ", ".join(m.rsplit(".", 1)[1] for m in MODULES)
-        raise RunbookError(f"loss: chunked supports mlx-lm's {names} models, not "
-                           f"{kind}.{type(model).__name__}: {DEFAULT}", ANCHOR)
+        raise RunbookError(f"loss: chunked supports mlx-lm's {', '.join(m.rsplit('.', 1)[1] for m in MODULES)} "
+                           f"models, not {kind}.{type(model).__name__}: {DEFAULT}", ANCHOR)
     lm = model.language_model if kind.endswith(".gemma4") else model
-    tied = getattr(lm, "tie_word_embeddings", None)
-    tied = lm.args.tie_word_embeddings if tied is None else tied
-    head = lm.model.embed_tokens if tied else lm.lm_head
-    name = "model.embed_tokens (tied)" if tied else "lm_head"
+    tied = lm.args.tie_word_embeddings
+    head, name = (lm.model.embed_tokens, "model.embed_tokens (tied)") if tied else (lm.lm_head, "lm_head")
     if tree_flatten(head.trainable_parameters()):
         raise RunbookError(f"loss: chunked computes no gradient for the output head, but {name} is trainable "
                            f"(full fine-tuning, or LoRA keys naming the head): freeze it (LoRA) or {DEFAULT}",
                            ANCHOR)
-    if type(head) not in HEADS or "bias" in head:
+    if type(head) not in (nn.Embedding, nn.QuantizedEmbedding, nn.Linear, nn.QuantizedLinear) or "bias" in head:
         raise RunbookError(f"loss: chunked needs a plain or quantized head without bias, but {name} is "
                            f"{type(head).__name__}: {DEFAULT}", ANCHOR)
     return lm.model, head, getattr(lm, "final_logit_softcapping", None)
@@ -73,18 +63,14 @@ def head_ops(head) -> tuple:
     return lambda h: h @ w.T, lambda g: g @ w, lambda t: w[t]
 
 
-def softcapped(x: mx.array, cap) -> mx.array:
-    return x if cap is None else cap * mx.tanh(x / cap)
-
-
 def chunk_ce(h: mx.array, t: mx.array, m: mx.array, ops, cap, grad: bool) -> mx.array:
-    """One chunk's masked per-token cross-entropy [n] (float32); with grad [n, hidden + 1]:
-    d(sum of the chunk's losses)/dh, then the loss, in one array so the logits are computed once
-    (under mx.compile its [n, vocab] float32 arrays are z, y and g)."""
+    """One chunk's masked per-token cross-entropy [n] (float32); with grad [n, hidden + 1]: d(sum of the
+    chunk's losses)/dh, then the loss, in one array so the logits are computed once."""
     logits, back, rows = ops
     r = rows(t)
-    y = softcapped(logits(h).astype(mx.float32), cap)
-    yt = softcapped((h.astype(mx.float32) * r.astype(mx.float32)).sum(-1), cap)
+    y, yt = logits(h).astype(mx.float32), (h.astype(mx.float32) * r.astype(mx.float32)).sum(-1)
+    if cap is not None:
+        y, yt = cap * mx.tanh(y / cap), cap * mx.tanh(yt / cap)
     lse = mx.logsumexp(y, axis=-1)
     if not grad:
         return (lse - yt) * m
@@ -96,8 +82,7 @@ def chunk_ce(h: mx.array, t: mx.array, m: mx.array, ops, cap, grad: bool) -> mx.
 
 
 def chunks(h: mx.array, t: mx.array, m: mx.array, ops, cap, size: int, grad: bool) -> mx.array:
-    """chunk_ce over consecutive `size` rows, each after the one before (else MLX's scheduler
-    may start every chunk's logits at once)."""
+    """chunk_ce over consecutive `size` rows, each after the one before (not all chunks' logits at once)."""
     out = []
     for a in range(0, h.shape[0], size):
         hc = h[a:a + size] if not out else mx.depends(h[a:a + size], out[-1])
@@ -106,20 +91,14 @@ def chunks(h: mx.array, t: mx.array, m: mx.array, ops, cap, size: int, grad: boo
 
 
 def make_loss(chunk_tokens: int = CHUNK_TOKENS, grad: bool = True):
-    """A loss(model, batch, lengths) -> (loss, ntoks) equal to mlx-lm's default_loss; grad=False
-    skips the gradient work (evaluation)."""
-    if chunk_tokens < 1:
-        raise RunbookError(f"loss_chunk_tokens is {chunk_tokens}: use a positive number such as "
-                           f"{CHUNK_TOKENS}", ANCHOR)
-
+    """A loss(model, batch, lengths) -> (loss, ntoks) equal to mlx-lm's default_loss (grad=False: evaluation)."""
     def loss(model, batch, lengths):
         backbone, head, cap = parts(model)
         inputs, targets = batch[:, :-1], batch[:, 1:]  # default_loss's mask and ntoks, as it builds them
         steps = mx.arange(1, targets.shape[1] + 1)
         mask = mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:])
         ntoks, h = mask.sum(), backbone(inputs)
-        n = h.shape[0] * h.shape[1]
-        h, t, m = h.reshape(n, h.shape[-1]), targets.reshape(n), mask.reshape(n).astype(mx.float32)
+        h, t, m = h.reshape(-1, h.shape[-1]), targets.reshape(-1), mask.reshape(-1).astype(mx.float32)
         ops = head_ops(head)
         if not grad:
             return chunks(h, t, m, ops, cap, chunk_tokens, False).sum() / ntoks, ntoks

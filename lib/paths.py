@@ -13,14 +13,11 @@ from lib.log import RunbookError
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "runs"
 DATASETS = ROOT / "datasets"
-
-# A run id or dataset name becomes a folder name on every host.
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a run id or dataset name: a folder on every host
 
 
 def calibrations():
-    """(path, document) of each runs/calibration-*.json (`make calibrate`), newest first; an unreadable
-    one reads as {} (check-parity and compare each take the newest that fits)."""
+    """(path, document) of each runs/calibration-*.json, newest first; an unreadable one reads as {}."""
     for path in sorted(RUNS.glob("calibration-*.json"), reverse=True):
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
@@ -30,7 +27,6 @@ def calibrations():
 
 
 def is_safe_name(name: str) -> bool:
-    """Letters, digits, '.', '_', '-'; no leading punctuation, no '..'."""
     return bool(NAME_RE.match(name)) and ".." not in name
 
 
@@ -41,8 +37,7 @@ def check_run_id(run: str) -> str:
     return run
 
 
-def run_dir(run: str) -> Path:
-    """runs/<RUN>/, created with its logs/ folder."""
+def run_dir(run: str) -> Path:  # runs/<RUN>/, created with its logs/ folder
     path = RUNS / check_run_id(run)
     (path / "logs").mkdir(parents=True, exist_ok=True)
     return path
@@ -51,15 +46,11 @@ def run_dir(run: str) -> Path:
 def rel(path: os.PathLike | str) -> str:
     """A path relative to the repo root when it is inside it (for reports), else absolute."""
     p = Path(path).resolve()
-    try:
-        return str(p.relative_to(ROOT))
-    except ValueError:
-        return str(p)
+    return str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p)
 
 
 def missing_shards(model: Path) -> list[str]:
-    """The weight files a sharded model's model.safetensors.index.json names that are not in the folder
-    (an interrupted download or copy); [] for a complete or unsharded model."""
+    """The weight files model.safetensors.index.json names that are not in the folder ([]: complete)."""
     index = model / "model.safetensors.index.json"
     if not index.is_file():
         return []
@@ -73,6 +64,5 @@ def missing_shards(model: Path) -> list[str]:
 def require_complete(model: Path, name: str, anchor: str) -> None:
     """Refuse a sharded model folder with a shard missing (sync and check-parity, before any host)."""
     if gone := missing_shards(model):
-        raise RunbookError(f"MODEL {name} is incomplete here: model.safetensors.index.json names "
-                           f"{', '.join(gone)}, not in the folder; fetch it again (make model ... REPLACE=1)",
-                           anchor)
+        raise RunbookError(f"MODEL {name} is incomplete here: model.safetensors.index.json names {', '.join(gone)}"
+                           ", not in the folder; fetch it again (make model ... REPLACE=1)", anchor)

@@ -27,10 +27,9 @@ def ssh_options() -> list[str]:
 
 def close_masters(hosts: list[str]) -> None:
     """Close the shared connections opened under CONTROL_ENV (no-op without it)."""
-    for h in hosts if os.environ.get(CONTROL_ENV) else []:
-        if not is_local(h):
-            subprocess.run(["ssh", *ssh_options(), "-O", "exit", "--", h], capture_output=True,
-                           stdin=subprocess.DEVNULL, timeout=10)
+    for h in [h for h in hosts if not is_local(h)] if os.environ.get(CONTROL_ENV) else []:
+        subprocess.run(["ssh", *ssh_options(), "-O", "exit", "--", h], capture_output=True,
+                       stdin=subprocess.DEVNULL, timeout=10)
 
 
 def ssh_argv(host: str, argv: list[str]) -> list[str]:
@@ -38,8 +37,7 @@ def ssh_argv(host: str, argv: list[str]) -> list[str]:
     return ["ssh", *ssh_options(), "--", check_hostname(host, "ssh target"), shlex.join(argv)]
 
 
-def rsh() -> str:
-    """The `-e` value for rsync: ssh with the same unattended options (no host values inside)."""
+def rsh() -> str:  # rsync's -e: ssh with the same unattended options (no host values inside)
     return shlex.join(["ssh", *ssh_options()])
 
 
@@ -58,8 +56,7 @@ class Result:
 
 def run_on(host: str, argv: list[str], timeout: float = 30, local: bool | None = None,
            input: str | None = None) -> Result:
-    """Run argv on host (locally when the host is 127.0.0.1, like mlx.launch); never raises on
-    failure: the Result says what happened (124: timed out, 127: no such command)."""
+    """Run argv on host (here for 127.0.0.1, as mlx.launch does); never raises (124: timed out, 127: no command)."""
     cmd = argv if (is_local(host) if local is None else local) else ssh_argv(host, argv)
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=input,
