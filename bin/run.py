@@ -80,24 +80,6 @@ def recover(args, hf, run_rel: str, n: int):
     return hf, rec, p.returncode in (0, 1)
 
 
-def run_with_restarts(args, hf, run_rel: str, targs: list[str], total: int):
-    """The launch, and up to --restarts resumed launches after a hang-category failure."""
-    res, ev, argv = launch.launch_and_collect(args, hf, run_rel, targs, f"launch-{args.stage}.log", total)
-    cat, why = launch.categorize(res, ev, hf.size)
-    attempts, world0 = [], hf.size
-    while cat == HANG and len(attempts) < args.restarts:
-        hf, rec, go = recover(args, hf, run_rel, len(attempts) + 1)
-        attempts.append({**rec, "after": cat, "why": why, "last_step_seen": (res.steps or [None])[-1]})
-        event("restart", run=args.run, attempt=len(attempts), of=args.restarts, after=why, world_size=hf.size,
-              relaunch=go, **({"lost": rec["fallback"]["lost"]} if "fallback" in rec else {}))
-        if go:  # a checkpoint of another world size resumes with the same global batch
-            t = [*targs, *["--resume"] * ("--resume" not in targs)]  # a copy: targs stays as launched
-            t += ["--allow-world-change"] if hf.size != world0 else []
-            res, ev, argv = launch.launch_and_collect(args, hf, run_rel, t, f"launch-{args.stage}.log", total)
-            cat, why = launch.categorize(res, ev, hf.size)
-    return res, ev, argv, cat, why, hf, attempts
-
-
 def main() -> int:
     args, t0 = build_parser().parse_args(), time.time()
     try:
@@ -116,8 +98,17 @@ def main() -> int:
     targs = launch.trainer_args(args, run_rel, args.config, resume=args.resume)
     argv = launch.launch_argv(args.hostfile, hf, args.python, args.remote_root, targs, args.port)
     launch.write_reproduce(run_dir, args.stage, launch.make_cmd(args.stage, v), [argv], args.dataset)
-    res, ev, run_argv, cat, why, hf, attempts = run_with_restarts(args, hf, run_rel, targs, cfg["iters"])
-    fallback = next((a["fallback"] for a in attempts if "fallback" in a), None)
+    log, world0, attempts = f"launch-{args.stage}.log", hf.size, []
+    res, ev, run_argv, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, log, cfg["iters"])
+    while cat == HANG and len(attempts) < args.restarts:  # restart: resume from the latest good checkpoint
+        hf, rec, go = recover(args, hf, run_rel, len(attempts) + 1)
+        attempts.append({**rec, "after": cat, "why": why, "last_step_seen": (res.steps or [None])[-1]})
+        event("restart", run=args.run, attempt=len(attempts), of=args.restarts, after=why, world_size=hf.size,
+              relaunch=go, **({"lost": rec["fallback"]["lost"]} if "fallback" in rec else {}))
+        if go:  # a checkpoint of another world size resumes with the same global batch
+            t = [*targs, *["--resume"] * ("--resume" not in targs)]  # a copy: targs stays as launched
+            t += ["--allow-world-change"] if hf.size != world0 else []
+            res, ev, run_argv, cat, why = launch.launch_and_collect(args, hf, run_rel, t, log, cfg["iters"])
     last = {"train": {}, "test": {}, "done": {}} | {m.get("kind"): m for m in launch.metrics(run_dir)}
     best, adapters = last["done"].get("best_adapter"), run_dir / "adapters" / "adapters.safetensors"
     summary = launch.summarize(res, cat, why, {
@@ -125,7 +116,8 @@ def main() -> int:
         "final_step": last["train"].get("step"), "test_loss": last["test"].get("loss"),
         "test_ppl": last["test"].get("ppl"), "best_val_loss": last["done"].get("best_val_loss"),
         "adapter": f"{run_rel}/adapters" if adapters.is_file() else None, "attempts": attempts,
-        "best_adapter": f"{run_rel}/checkpoints/{Path(best).name}" if best else None, "fallback": fallback,
+        "best_adapter": f"{run_rel}/checkpoints/{Path(best).name}" if best else None,
+        "fallback": (attempts or [{}])[-1].get("fallback"),  # only the last restart falls back
         "swept": ev["swept"], "fetched": ev["fetched"], "total_wall_s": round(time.time() - t0, 3)})
     return launch.conclude(run_dir, args.stage, summary, cfg, run_argv, hf.size)
 

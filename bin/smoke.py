@@ -69,13 +69,11 @@ def main() -> int:
     run_dir, run_rel, v = paths.run_dir(args.run), f"runs/{args.run}/smoke", launch.variables(args, "smoke")
     man = launch.write_manifest(run_dir, "smoke", v, hf, {"world_size": hf.size})
     targs = launch.trainer_args(args, run_rel, args.config, iters=save_every)
-    res, ev, argv = launch.launch_and_collect(args, hf, run_rel, targs, "launch-1.log")
-    cat, why = launch.categorize(res, ev, hf.size)
+    res, ev, argv, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, "launch-1.log")
     res2, ev2, argv2 = None, {"joined": {}}, None
     if cat is None:
         targs = launch.trainer_args(args, run_rel, args.config, iters=iters, resume=True)
-        res2, ev2, argv2 = launch.launch_and_collect(args, hf, run_rel, targs, "launch-2.log")
-        cat, why = launch.categorize(res2, ev2, hf.size)
+        res2, ev2, argv2, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, "launch-2.log")
     launch.write_reproduce(run_dir, "smoke", launch.make_cmd("smoke", v), [a for a in (argv, argv2) if a],
                            args.dataset)
     crit = criteria(man["dataset_sha256"], hf.size, run_rel, {**ev["joined"], **ev2["joined"]}, res2, cfg)

@@ -208,18 +208,6 @@ def sweep(hf: Hostfile, run_rel: str) -> dict[str, str]:
             f"unreachable: {r.stderr.strip()[:200]}" for r in rs}
 
 
-def fetch(hf: Hostfile, run_rel: str, remote_root: str) -> dict[str, str]:
-    """Bring run_rel home: everything from rank 0's host, the logs from the others."""
-    out, local_dir = {}, paths.ROOT / run_rel
-    for i, host in enumerate(hf.unique_ssh()):  # 127.0.0.1 with REMOTE_ROOT here: a no-op copy
-        src = ("" if is_local(host) else f"{host}:") + f"{remote_root}/{run_rel}/"
-        only_logs = ["--include=logs/", "--include=logs/**", "--exclude=*"] if i else []
-        p = subprocess.run(["rsync", "-a", "-e", rsh(), *only_logs, src, f"{local_dir}/"],
-                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-        out[host] = "ok" if p.returncode == 0 else f"rsync exit {p.returncode}: {p.stderr.strip()[:200]}"
-    return out
-
-
 # ---- what happened -------------------------------------------------------------------------
 def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str]:
     """(category, why) of a failed launch, (None, "") of a good one: every rank joined, no failure file
@@ -306,10 +294,10 @@ def trainer_args(args, run_rel: str, config: str, iters: int | None = None, resu
     return a + (["--resume"] if resume else [])
 
 
-def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str,
-                       total: int | None = None) -> tuple[LaunchResult, dict, list[str]]:
-    """One launch teed to logs/<log_name>, stopped after the watchdog window (else max(10 x median step,
-    300 s)) without progress; then the hosts swept, the run folder fetched, its rank events read."""
+def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str, total: int | None = None):
+    """One launch teed to logs/<log_name>, stopped after the watchdog window (else max(10 x median step, 300 s))
+    without progress; then the hosts swept, the run folder fetched (all of it from rank 0's host, the logs from
+    the others), this launch's rank events read: (result, events, argv, category, why)."""
     launch_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log_name.split('.')[0]}"
     argv = launch_argv(args.hostfile, hf, args.python, args.remote_root,
                        [*targs, "--expect-world-size", str(hf.size), "--launch-id", launch_id], args.port)
@@ -339,11 +327,18 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
     proc.wait()
     reader.join(timeout=10)
     res.returncode, res.last_progress_s, res.wall_s = proc.returncode, watch.last - t0, time.monotonic() - t0
-    swept, fetched = sweep(hf, run_rel), fetch(hf, run_rel, args.remote_root)
+    swept, fetched = sweep(hf, run_rel), {}
+    for i, host in enumerate(hf.unique_ssh()):  # 127.0.0.1 with REMOTE_ROOT here: a no-op copy
+        src = ("" if is_local(host) else f"{host}:") + f"{args.remote_root}/{run_rel}/"
+        only_logs = ["--include=logs/", "--include=logs/**", "--exclude=*"] if i else []
+        p = subprocess.run(["rsync", "-a", "-e", rsh(), *only_logs, src, f"{paths.ROOT / run_rel}/"],
+                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        fetched[host] = "ok" if p.returncode == 0 else f"rsync exit {p.returncode}: {p.stderr.strip()[:200]}"
     ev = {key: {int(f.name.split(".")[0][5:]): d for f in sorted(log_path.parent.glob(f"rank-*.{kind}.json"))
                 if (d := read_json(f)).get("launch_id") == launch_id}  # an earlier launch's are stale
           for key, kind in (("joined", "joined"), ("failures", "failure"))}
-    return res, {**ev, "oom_line": oom_line(log_path, offset), "swept": swept, "fetched": fetched}, argv
+    ev |= {"oom_line": oom_line(log_path, offset), "swept": swept, "fetched": fetched}
+    return res, ev, argv, *categorize(res, ev, hf.size)
 
 
 def summarize(res: LaunchResult, category: str | None, why: str, extra: dict) -> dict:
