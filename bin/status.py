@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import calendar
+import contextlib
 import json
 import re
 import statistics
@@ -63,25 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 def probe(host: str, root: str, python: str, run_rel: str) -> dict | None:
     """PROBE's answer from host, here for 127.0.0.1 (None: unreachable or no answer within 5 s)."""
     r = run_on(host, ["sh", "-c", 'cd "$1" && exec "$2" - "$3"', "sh", root, python, run_rel], 5, input=PROBE)
-    try:
+    with contextlib.suppress(ValueError):
         return json.loads(r.stdout) if r.ok else None
-    except ValueError:
-        return None
-
-
-def ranks_from_log(log: Path, now: float) -> dict:
-    """Per rank: last step, seconds since it, tok/s and median step time over its last 20 steps."""
-    seen: dict[str, list] = {}
-    for line in (log.read_bytes()[-262144:].decode(errors="replace") if log.is_file() else "").splitlines():
-        if m := RANK_LINE.match(line):
-            seen.setdefault(m[3], []).append((m[1], int(m[2]), int(m[4]), float(m[5])))
-    out = {}
-    for r, rows in sorted(seen.items()):
-        tail, ago = rows[-20:], now - calendar.timegm(time.strptime(rows[-1][0], "%Y-%m-%dT%H:%M:%SZ"))
-        secs, tokens = sum(x[3] for x in tail), sum(x[2] for x in tail)
-        out[r] = {"last_step": rows[-1][1], "since_s": round(ago, 1), "tok_per_s": round(tokens / secs, 1)
-                  if secs else None, "step_s": statistics.median(x[3] for x in tail)}
-    return out
 
 
 def gather(args) -> tuple[dict, int]:
@@ -95,7 +79,17 @@ def gather(args) -> tuple[dict, int]:
     src = remote or probe("127.0.0.1", str(paths.ROOT), sys.executable, run_rel)  # complete once fetched
     train = [m for m in src["metrics"] if m.get("kind") == "train"]
     val = next((m for m in reversed(src["metrics"]) if m.get("kind") == "val"), None)
-    ranks = ranks_from_log(run_dir / "logs" / f"launch-{stage}.log", time.time())
+    seen: dict[str, list] = {}  # per rank, from this Mac's launch log: its last 20 steps
+    log = run_dir / "logs" / f"launch-{stage}.log"
+    for line in (log.read_bytes()[-262144:].decode(errors="replace") if log.is_file() else "").splitlines():
+        if m := RANK_LINE.match(line):
+            seen.setdefault(m[3], []).append((m[1], int(m[2]), int(m[4]), float(m[5])))
+    ranks = {}
+    for r, rows in sorted(seen.items()):
+        tail, ago = rows[-20:], time.time() - calendar.timegm(time.strptime(rows[-1][0], "%Y-%m-%dT%H:%M:%SZ"))
+        secs, tokens = sum(x[3] for x in tail), sum(x[2] for x in tail)
+        ranks[r] = {"last_step": rows[-1][1], "since_s": round(ago, 1), "tok_per_s": round(tokens / secs, 1)
+                    if secs else None, "step_s": statistics.median(x[3] for x in tail)}
     step, step_s = (train or [{}])[-1].get("step"), ranks.get("0", {}).get("step_s")
     verdict = {} if running else read_json(run_dir / f"{stage}.json")
     silent = [r for r, v in ranks.items() if v["since_s"] > SILENT_S]
