@@ -68,8 +68,9 @@ def probe(host: str, root: str, python: str, run_rel: str) -> dict | None:
         return json.loads(r.stdout) if r.ok else None
 
 
-def gather(args) -> tuple[dict, int]:
-    run_dir, run_rel = paths.RUNS / args.run, f"runs/{args.run}"
+def main() -> int:
+    args = build_parser().parse_args()
+    run_dir, run_rel = paths.RUNS / paths.check_run_id(args.run), f"runs/{args.run}"
     man = read_json(run_dir / "manifest.json")
     stage, iters = man.get("stage") or "train", man.get("iters")
     running = "ended" not in (man.get("stages") or {}).get(stage, {"ended": None})
@@ -101,28 +102,21 @@ def gather(args) -> tuple[dict, int]:
         (running and silent, 1, f"rank(s) {', '.join(silent)} silent for over {SILENT_S:g} s"),
         (True, 0, f"step {step}/{iters}" if running else "finished")) if bad)
     eta = round((iters - step) * step_s, 1) if running and step is not None and step_s else None
-    return {"run": args.run, "stage": stage, "running": running, "reachable": remote is not None,
-            "step": step, "iters": iters, "eta_s": eta, "train_loss": train[-1]["loss"] if train else None,
-            "loss_trend": [round(m["loss"], 5) for m in train[-5:]], "ranks": ranks,
-            "last_val": {"step": val["step"], "loss": val["loss"]} if val else None,
-            "latest_checkpoint": src["latest"], "failures": src["failures"], "status": STATUS[code],
-            "why": why, "verdict": {k: verdict.get(k) for k in VERDICT_KEYS} if verdict else None}, code
-
-
-def main() -> int:
-    args = build_parser().parse_args()
-    paths.check_run_id(args.run)
-    st, code = gather(args)
+    st = {"run": args.run, "stage": stage, "running": running, "reachable": remote is not None,
+          "step": step, "iters": iters, "eta_s": eta, "train_loss": train[-1]["loss"] if train else None,
+          "loss_trend": [round(m["loss"], 5) for m in train[-5:]], "ranks": ranks,
+          "last_val": {"step": val["step"], "loss": val["loss"]} if val else None,
+          "latest_checkpoint": src["latest"], "failures": src["failures"], "status": STATUS[code],
+          "why": why, "verdict": {k: verdict.get(k) for k in VERDICT_KEYS} if verdict else None}
     if args.json:
         print(json.dumps(st, sort_keys=True))
         return code
-    eta = time.strftime("%H:%M:%S", time.gmtime(st["eta_s"])) if st["eta_s"] is not None else "-"
-    print(f"STATUS {st['status']} - {st['why']} | {st['stage']} step {st['step']}/{st['iters']} eta {eta} "
-          f"loss {st['train_loss']} trend {st['loss_trend']} val {st['last_val']} "
-          f"checkpoint {st['latest_checkpoint']}")
-    for r, v in st["ranks"].items():
+    print(f"STATUS {st['status']} - {why} | {stage} step {step}/{iters} eta "
+          f"{time.strftime('%H:%M:%S', time.gmtime(eta)) if eta is not None else '-'} loss {st['train_loss']} "
+          f"trend {st['loss_trend']} val {st['last_val']} checkpoint {src['latest']}")
+    for r, v in ranks.items():
         print(f"rank {r}: step {v['last_step']}, {v['since_s']:.0f} s ago, {v['tok_per_s']} tok/s")
-    for n, f in st["failures"].items():
+    for n, f in src["failures"].items():
         print(f"{n}: {f.get('category')}: {f.get('message')}")
     if st["verdict"]:
         print(f"verdict: {'PASS' if st['verdict']['ok'] else 'FAIL'} {json.dumps(st['verdict'])}")
