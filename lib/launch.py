@@ -77,8 +77,7 @@ def model_hash(model: str) -> str:
 
 
 def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, extra: dict) -> dict:
-    """runs/<RUN>/manifest.json: what this run is made of (reproduce.sh names the dataset's corpus and
-    export settings), written before any rank starts."""
+    """runs/<RUN>/manifest.json: what this run is made of, written before any rank starts."""
     stages = read_json(run_dir / "manifest.json").get("stages", {})
     stages[stage], v = {"started": time.strftime(NOW)}, variables
     dsha = read_json(paths.DATASETS / v["DATASET"] / "manifest.json").get("dataset_sha256", "missing")
@@ -210,14 +209,13 @@ def sweep(hf: Hostfile, run_rel: str) -> dict[str, str]:
 
 # ---- what happened -------------------------------------------------------------------------
 def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str]:
-    """(category, why) of a failed launch, (None, "") of a good one: every rank joined, no failure file
-    and the trainer's `done` line (mlx.launch 0.32.4 can exit 0 when a rank never started)."""
+    """(category, why), or (None, "") if every rank joined, none failed and rank 0 printed `done`."""
     if res.watchdog_fired:
         return HANG, f"no progress for the watchdog window (last progress at {res.last_progress_s:.0f} s)"
     for r, f in sorted(ev["failures"].items()):
         if f.get("category") in CATEGORIES:
             return f["category"], f"rank {r}: {f.get('message', '')}"
-    if len(ev["joined"]) < world:
+    if len(ev["joined"]) < world:  # mlx.launch 0.32.4 can exit 0 although a rank never started
         missing = sorted(set(range(world)) - set(ev["joined"]))
         return PARITY, f"ranks {missing} never initialized (launcher exit {res.returncode})"
     if ev["failures"]:
@@ -235,8 +233,7 @@ def oom_line(log_path: Path, offset: int = 0) -> str | None:
     """The first out-of-memory message after `offset` in the launch log, if any."""
     with open(log_path, "rb") as f:
         f.seek(offset)
-        return next((line[:300] for raw in f if OOM_RE.search(line := raw.decode(errors="replace").strip())),
-                    None)
+        return next((ln[:300] for raw in f if OOM_RE.search(ln := raw.decode(errors="replace").strip())), None)
 
 
 def oom_ladder(cfg: dict, argv: list[str], world: int) -> list[str]:
@@ -261,8 +258,7 @@ def add_common_args(p) -> None:
     for flag in ("--run", "--hostfile", "--config", "--model", "--dataset", "--remote-root", "--python"):
         p.add_argument(flag, required=True)
     p.add_argument("--seed", type=int)
-    p.add_argument("--watchdog", type=float, help="seconds without progress before every rank is stopped "
-                   "(default: the config's watchdog_s, else max(10 x median step, 300))")
+    p.add_argument("--watchdog", type=float, help="seconds without progress before every rank is stopped")
     p.add_argument("--port", type=int, help="first ring port (mlx.launch --starting-port)")
 
 
@@ -288,16 +284,15 @@ def make_cmd(target: str, v: dict) -> list[str]:
 
 
 def trainer_args(args, run_rel: str, config: str, iters: int | None = None, resume: bool = False):
-    a = ["--config", config, "--model", args.model, "--data", f"datasets/{args.dataset}"]
-    a += ["--run-dir", run_rel] + (["--seed", str(args.seed)] if args.seed is not None else [])
-    a += ["--iters", str(iters)] if iters is not None else []
-    return a + (["--resume"] if resume else [])
+    a = ["--config", config, "--model", args.model, "--data", f"datasets/{args.dataset}", "--run-dir", run_rel]
+    a += ["--seed", str(args.seed)] if args.seed is not None else []
+    return a + (["--iters", str(iters)] if iters is not None else []) + (["--resume"] if resume else [])
 
 
 def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str, total: int | None = None):
-    """One launch teed to logs/<log_name>, stopped after the watchdog window (else max(10 x median step, 300 s))
-    without progress; then the hosts swept, the run folder fetched (all of it from rank 0's host, the logs from
-    the others), this launch's rank events read: (result, events, argv, category, why)."""
+    """One launch teed to logs/<log_name>, stopped after the watchdog window (--watchdog, the config's watchdog_s,
+    else max(10 x median step, 300 s)) without progress; then the hosts swept, the run folder fetched (all of it
+    from rank 0's host, the logs from the others), its rank events read: (result, events, argv, category, why)."""
     launch_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log_name.split('.')[0]}"
     argv = launch_argv(args.hostfile, hf, args.python, args.remote_root,
                        [*targs, "--expect-world-size", str(hf.size), "--launch-id", launch_id], args.port)
