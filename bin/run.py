@@ -10,9 +10,8 @@ Example (what `make train` runs after smoke, sync and check-parity):
         --model mlx-community/gemma-4-e2b-it-bf16 --dataset domain_sft_v1_high_signal_thunder \
         --remote-root "$PWD" --python "$PWD/.venv/bin/python"
 
-train writes runs/<RUN>/train.json; control runs the same config, data, seed and global batch on
-one host (rank 0's by default) in runs/<RUN>-control/ and writes control.json. --restarts N and
---fallback: see RUNBOOK.md#restarts-and-fallback.
+train writes runs/<RUN>/train.json; control, the same config, data, seed and global batch on one host
+(rank 0's by default), runs/<RUN>-control/control.json. --restarts, --fallback: RUNBOOK.md#restarts-and-fallback.
 """
 
 from __future__ import annotations
@@ -57,8 +56,7 @@ def control_setup(args, hf):
 
 
 def recover(args, hf, run_rel: str, n: int):
-    """Restart n: sweep, back off, the runtime parity gate; at the last restart with --fallback,
-    hosts still unreachable are dropped first. Returns (hostfile, record, relaunch)."""
+    """Restart n: sweep, back off, drop hosts still unreachable (--fallback, last restart), parity gate."""
     swept = launch.sweep(hf, run_rel)
     time.sleep(min(2.0 * 2 ** (n - 1), 60.0))  # 2 s, then twice as long each time, at most 60 s
     rec, lost = {"attempt": n, "swept": swept}, [h for h, v in swept.items() if v.startswith("unreachable")]

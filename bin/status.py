@@ -7,10 +7,9 @@ Usage:
 Example (`make status RUN=stage1 JSON=1`, e.g. from cron):
     python bin/status.py --run stage1 --remote-root "$PWD" --python "$PWD/.venv/bin/python" --json
 
-One ssh call to rank 0's host (BatchMode, 5 s) reads metrics, failure files and the latest checkpoint
-(this Mac's copy when it does not answer); per-rank steps and tok/s come from this Mac's launch log.
-Exit 0 OK, 1 WARNING (a rank silent 600 s), 2 CRITICAL (failed), 3 UNKNOWN (rank 0's host unreachable
-while running). See RUNBOOK.md#status.
+One ssh call to rank 0's host (BatchMode, 5 s; this Mac's copy if it does not answer) reads metrics, failure
+files, the latest checkpoint; per-rank steps and tok/s come from this Mac's launch log. Exit 0 OK, 1 WARNING
+(a rank silent 600 s), 2 CRITICAL (failed), 3 UNKNOWN (rank 0's host unreachable while running): RUNBOOK.md#status.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ The launch is mlx.launch with the hostfile (an argument list, never a shell stri
 itself for one host (mlx 0.32.4 hands a lone rank an empty MLX_HOSTFILE). A new `iter N` step or a
 `progress` line is progress; none for the watchdog window stops every rank ("hang / link partition").
 
-    res, ev, argv = launch.launch_and_collect(args, hf, "runs/r1", targs, "launch-train.log")
-    category, why = launch.categorize(res, ev, hf.size)
+    res, ev, argv, category, why = launch.launch_and_collect(args, hf, "runs/r1", targs, "launch-train.log")
 """
 
 from __future__ import annotations
