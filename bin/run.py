@@ -11,7 +11,7 @@ Example (what `make train` runs after smoke, sync and check-parity):
         --remote-root "$PWD" --python "$PWD/.venv/bin/python"
 
 train writes runs/<RUN>/train.json; control, the same config, data, seed and global batch on one host
-(rank 0's by default), runs/<RUN>-control/control.json. --restarts, --fallback: RUNBOOK.md#restarts-and-fallback.
+(rank 0's by default), runs/<RUN>-control/control.json. Restarts: see RUNBOOK.md#restarts-and-fallback.
 """
 
 from __future__ import annotations

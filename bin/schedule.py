@@ -48,20 +48,21 @@ def main() -> int:
     if bad := [a for a in argv if "%" in a or "\n" in a or "\r" in a]:  # cron turns % into a newline
         return die(RunbookError(f"argument {bad[0]!r} holds '%' or a line break, which a crontab line cannot "
                                 "carry: rename the path", "scheduled-parity"), 2)
-    log = OUT / "scheduled.log"
+    log = str(OUT / "scheduled.log")
     if args.what == "launchd-plist":
         atomic.write_bytes(plist := OUT / f"{LABEL}.plist", plistlib.dumps({
             "Label": LABEL, "ProgramArguments": argv, "WorkingDirectory": str(paths.ROOT), "RunAtLoad": False,
-            "StartInterval": args.every_min * 60, "StandardOutPath": str(log), "StandardErrorPath": str(log)}))
+            "StartInterval": args.every_min * 60, "StandardOutPath": log, "StandardErrorPath": log}))
         print(f"launchd-plist {plist}\ninstall: cp {shlex.quote(str(plist))} ~/Library/LaunchAgents/ && "
               f"launchctl bootstrap gui/$(id -u) ~/Library/LaunchAgents/{LABEL}.plist")
         return 0
     if not 1 <= args.every_min <= 59:
-        return die(RunbookError(f"--every-min {args.every_min}: cron's minute field takes 1-59", "scheduled-parity"), 2)
+        return die(RunbookError(f"--every-min {args.every_min}: cron's minute field takes 1-59",
+                                "scheduled-parity"), 2)
     alert = ('rc=$?; echo "thunder-runbook check-parity exit $rc (1 WARNING, 2 CRITICAL, 3 UNKNOWN): '
              f'see {OUT}/last.json"; /usr/bin/logger -t thunder-runbook "check-parity exit $rc"')
-    print(f"*/{args.every_min} * * * * mkdir -p {shlex.quote(str(OUT))} && cd {shlex.quote(str(paths.ROOT))} && "
-          f"{shlex.join(argv)} >> {shlex.quote(str(log))} 2>&1 || {{ {alert}; }}")
+    print(f"*/{args.every_min} * * * * mkdir -p {shlex.quote(str(OUT))} && cd {shlex.quote(str(paths.ROOT))} "
+          f"&& {shlex.join(argv)} >> {shlex.quote(log)} 2>&1 || {{ {alert}; }}")
     return 0
 
 

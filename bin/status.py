@@ -7,21 +7,21 @@ Usage:
 Example (`make status RUN=stage1 JSON=1`, e.g. from cron):
     python bin/status.py --run stage1 --remote-root "$PWD" --python "$PWD/.venv/bin/python" --json
 
-One ssh call to rank 0's host (BatchMode, 5 s; this Mac's copy if it does not answer) reads metrics, failure
-files, the latest checkpoint; per-rank steps and tok/s come from this Mac's launch log. Exit 0 OK, 1 WARNING
-(a rank silent 600 s), 2 CRITICAL (failed), 3 UNKNOWN (rank 0's host unreachable while running): RUNBOOK.md#status.
+One ssh call to rank 0's host (BatchMode, 5 s; else this Mac's copy) reads metrics, failure files and the
+latest checkpoint; per-rank steps and tok/s come from this Mac's launch log. Exit 0 OK, 1 WARNING (a rank
+silent 600 s), 2 CRITICAL (failed), 3 UNKNOWN (rank 0's host unreachable while running). RUNBOOK.md#status.
 """
 
 from __future__ import annotations
 
 import argparse
-import calendar
 import contextlib
 import json
 import re
 import statistics
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -86,7 +86,7 @@ def main() -> int:
             seen.setdefault(m[3], []).append((m[1], int(m[2]), int(m[4]), float(m[5])))
     ranks = {}
     for r, rows in sorted(seen.items()):
-        tail, ago = rows[-20:], time.time() - calendar.timegm(time.strptime(rows[-1][0], "%Y-%m-%dT%H:%M:%SZ"))
+        tail, ago = rows[-20:], time.time() - datetime.fromisoformat(rows[-1][0]).timestamp()
         secs, tokens = sum(x[3] for x in tail), sum(x[2] for x in tail)
         ranks[r] = {"last_step": rows[-1][1], "since_s": round(ago, 1), "tok_per_s": round(tokens / secs, 1)
                     if secs else None, "step_s": statistics.median(x[3] for x in tail)}
@@ -110,8 +110,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(st, sort_keys=True))
         return code
-    print(f"STATUS {st['status']} - {why} | {stage} step {step}/{iters} eta "
-          f"{time.strftime('%H:%M:%S', time.gmtime(eta)) if eta is not None else '-'} loss {st['train_loss']} "
+    hms = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta is not None else "-"
+    print(f"STATUS {st['status']} - {why} | {stage} step {step}/{iters} eta {hms} loss {st['train_loss']} "
           f"trend {st['loss_trend']} val {st['last_val']} checkpoint {src['latest']}")
     for r, v in ranks.items():
         print(f"rank {r}: step {v['last_step']}, {v['since_s']:.0f} s ago, {v['tok_per_s']} tok/s")

@@ -101,8 +101,7 @@ def export_section(dataset: str) -> list[str]:
     files = [f for f in man.get("sources") or [] if isinstance(f, dict) and isinstance(f.get("path"), str)]
     head = ["# --- stage: export ---", f"# The dataset {dataset} this run used (its manifest.json):"]
     if not files:
-        return head + ["# corpus not recorded in its manifest: re-export it with",
-                       f"# make export CORPUS=... DATASET={dataset}"]
+        return head + [f"# corpus not recorded: re-export it with make export CORPUS=... DATASET={dataset}"]
     for f in files:  # escaped: a comment ends at a newline
         shown = f["path"].replace("\n", "\\n").replace("\r", "\\r")
         head.append(f"# corpus file {shown} sha256 {f.get('sha256', 'not recorded')}")
@@ -232,7 +231,7 @@ def oom_line(log_path: Path, offset: int = 0) -> str | None:
     """The first out-of-memory message after `offset` in the launch log, if any."""
     with open(log_path, "rb") as f:
         f.seek(offset)
-        return next((ln[:300] for raw in f if OOM_RE.search(ln := raw.decode(errors="replace").strip())), None)
+        return next((s[:300] for raw in f if OOM_RE.search(s := raw.decode(errors="replace").strip())), None)
 
 
 def oom_ladder(cfg: dict, argv: list[str], world: int) -> list[str]:
@@ -283,15 +282,16 @@ def make_cmd(target: str, v: dict) -> list[str]:
 
 
 def trainer_args(args, run_rel: str, config: str, iters: int | None = None, resume: bool = False):
-    a = ["--config", config, "--model", args.model, "--data", f"datasets/{args.dataset}", "--run-dir", run_rel]
-    a += ["--seed", str(args.seed)] if args.seed is not None else []
+    a = ["--config", config, "--model", args.model, "--data", f"datasets/{args.dataset}"]
+    a += ["--run-dir", run_rel] + (["--seed", str(args.seed)] if args.seed is not None else [])
     return a + (["--iters", str(iters)] if iters is not None else []) + (["--resume"] if resume else [])
 
 
-def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str, total: int | None = None):
-    """One launch teed to logs/<log_name>, stopped after the watchdog window (--watchdog, the config's watchdog_s,
-    else max(10 x median step, 300 s)) without progress; then the hosts swept, the run folder fetched (all of it
-    from rank 0's host, the logs from the others), its rank events read: (result, events, argv, category, why)."""
+def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str,
+                       total: int | None = None) -> tuple[LaunchResult, dict, list[str], str | None, str]:
+    """One launch teed to logs/<log_name>, stopped after the watchdog window (--watchdog, else the config's
+    watchdog_s, else max(10 x median step, 300 s)) without progress; then the hosts swept, the run folder
+    fetched (rank 0's host: all of it; the others: logs), its rank events read, the outcome categorized."""
     launch_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log_name.split('.')[0]}"
     argv = launch_argv(args.hostfile, hf, args.python, args.remote_root,
                        [*targs, "--expect-world-size", str(hf.size), "--launch-id", launch_id], args.port)
