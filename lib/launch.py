@@ -96,15 +96,13 @@ def finish_manifest(run_dir: Path, stage: str, summary: dict) -> None:
 
 
 def export_section(dataset: str) -> list[str]:
-    """reproduce.sh's first section: the `make export` of datasets/<dataset>, from its manifest."""
+    """reproduce.sh's first section: the `make export` of datasets/<dataset> (file names by repr: 1 line)."""
     man = read_json(paths.DATASETS / dataset / "manifest.json")
     files = [f for f in man.get("sources") or [] if isinstance(f, dict) and isinstance(f.get("path"), str)]
     head = ["# --- stage: export ---", f"# The dataset {dataset} this run used (its manifest.json):"]
     if not files:
         return head + [f"# corpus not recorded: re-export it with make export CORPUS=... DATASET={dataset}"]
-    for f in files:  # escaped: a comment ends at a newline
-        shown = f["path"].replace("\n", "\\n").replace("\r", "\\r")
-        head.append(f"# corpus file {shown} sha256 {f.get('sha256', 'not recorded')}")
+    head += [f"# corpus file {f['path']!r} sha256 {f.get('sha256', 'not recorded')}" for f in files]
     head.append(f"# corpus_sha256 {man.get('corpus_sha256', 'not recorded')}; "
                 f"dataset_sha256 {man.get('dataset_sha256', 'not recorded')}")
     s = man.get("settings") or {}
