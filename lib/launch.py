@@ -299,8 +299,7 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
     watch, t0 = Watch(res := LaunchResult(returncode=-1, wall_s=0), total), time.monotonic()
     proc = subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
-    reader = threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)
-    reader.start()
+    (reader := threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)).start()
     while proc.poll() is None:
         time.sleep(0.2)
         with watch.lock:
