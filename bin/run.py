@@ -111,12 +111,11 @@ def main() -> int:
     best, adapters = last["done"].get("best_adapter"), run_dir / "adapters" / "adapters.safetensors"
     summary = launch.summarize(res, cat, why, {
         "stage": args.stage, "run": args.run, "world_size": hf.size, "joined": sorted(ev["joined"]),
-        "final_step": last["train"].get("step"), "test_loss": last["test"].get("loss"),
+        "final_step": last["train"].get("step"), "test_loss": last["test"].get("loss"), "attempts": attempts,
         "test_ppl": last["test"].get("ppl"), "best_val_loss": last["done"].get("best_val_loss"),
-        "adapter": f"{run_rel}/adapters" if adapters.is_file() else None, "attempts": attempts,
-        "best_adapter": f"{run_rel}/checkpoints/{Path(best).name}" if best else None,
-        "fallback": (attempts or [{}])[-1].get("fallback"),  # only the last restart falls back
-        "swept": ev["swept"], "fetched": ev["fetched"], "total_wall_s": round(time.time() - t0, 3)})
+        "adapter": f"{run_rel}/adapters" if adapters.is_file() else None, "fetched": ev["fetched"],
+        "best_adapter": f"{run_rel}/checkpoints/{Path(best).name}" if best else None, "swept": ev["swept"],
+        "fallback": (attempts or [{}])[-1].get("fallback"), "total_wall_s": round(time.time() - t0, 3)})
     return launch.conclude(run_dir, args.stage, summary, cfg, run_argv, hf.size)
 
 

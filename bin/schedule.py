@@ -57,8 +57,7 @@ def main() -> int:
               f"launchctl bootstrap gui/$(id -u) ~/Library/LaunchAgents/{LABEL}.plist")
         return 0
     if not 1 <= args.every_min <= 59:
-        return die(RunbookError(f"--every-min {args.every_min}: cron's minute field takes 1-59",
-                                "scheduled-parity"), 2)
+        return die(RunbookError(f"--every-min {args.every_min}: cron takes 1-59", "scheduled-parity"), 2)
     alert = ('rc=$?; echo "thunder-runbook check-parity exit $rc (1 WARNING, 2 CRITICAL, 3 UNKNOWN): '
              f'see {OUT}/last.json"; /usr/bin/logger -t thunder-runbook "check-parity exit $rc"')
     print(f"*/{args.every_min} * * * * mkdir -p {shlex.quote(str(OUT))} && cd {shlex.quote(str(paths.ROOT))} "

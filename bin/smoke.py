@@ -75,11 +75,10 @@ def main() -> int:
     for name, (ok, detail) in crit.items():
         event("smoke-check", name=name, status="ok" if ok else "FAIL", detail=detail)
     summary = launch.summarize(res2 or res, cat, why, {
-        "stage": "smoke", "run": args.run, "run_dir": run_rel, "world_size": hf.size,
+        "stage": "smoke", "run": args.run, "run_dir": run_rel, "world_size": hf.size, "swept": ev["swept"],
         "criteria": {k: {"ok": c, "detail": d} for k, (c, d) in crit.items()},
         "launches": [{"returncode": r.returncode, "wall_s": round(r.wall_s, 3)} for r in (res, res2) if r],
-        "swept": ev.get("swept"), "total_wall_s": round(time.time() - t0, 3),
-        "ok": cat is None and all(ok for ok, _ in crit.values())})
+        "total_wall_s": round(time.time() - t0, 3), "ok": cat is None and all(ok for ok, _ in crit.values())})
     return launch.conclude(run_dir, "smoke", summary, cfg, argv2 or argv, hf.size)
 
 

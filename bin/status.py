@@ -36,14 +36,13 @@ VERDICT_KEYS = ("ok", "category", "why", "final_step", "test_loss", "attempts", 
 RANK_LINE = re.compile(r"^(\S+Z) .*?iter (\d+) rank (\d+) .*?tokens (\d+) step_s (\S+)")
 # Runs on rank 0's host (or on this Mac's copy) with the run folder as argv[1]: one JSON object.
 PROBE = r"""
-import json, sys
-from pathlib import Path
+import json, pathlib, sys
 def load(text):
     try: return json.loads(text)
     except ValueError: return {}
 def tail(p):
     return p.read_bytes()[-65536:].decode(errors="replace") if p.is_file() else ""
-d = Path(sys.argv[1])
+d = pathlib.Path(sys.argv[1])
 lid = load(tail(d / "logs" / "rank-0.joined.json")).get("launch_id")
 fails = {p.name.split(".")[0]: load(tail(p)) for p in sorted((d / "logs").glob("rank-*.failure.json"))}
 print(json.dumps({"metrics": [m for m in map(load, tail(d / "metrics.jsonl").splitlines()) if m],
