@@ -10,9 +10,8 @@ Example (what `make train` runs after smoke, sync and check-parity):
         --model mlx-community/gemma-4-e2b-it-bf16 --dataset domain_sft_v1_high_signal_thunder \
         --remote-root "$PWD" --python "$PWD/.venv/bin/python"
 
-train writes runs/<RUN>/train.json; control runs the same config, data, seed and global batch on
-one host (rank 0's by default) in runs/<RUN>-control/ and writes control.json. --restarts N and
---fallback: see RUNBOOK.md#restarts-and-fallback.
+train writes runs/<RUN>/train.json; control, the same config, data, seed and global batch on one host
+(rank 0's by default), runs/<RUN>-control/control.json. Restarts: see RUNBOOK.md#restarts-and-fallback.
 """
 
 from __future__ import annotations
@@ -57,8 +56,7 @@ def control_setup(args, hf):
 
 
 def recover(args, hf, run_rel: str, n: int):
-    """Restart n: sweep, back off, the runtime parity gate; at the last restart with --fallback,
-    hosts still unreachable are dropped first. Returns (hostfile, record, relaunch)."""
+    """Restart n: sweep, back off, drop hosts still unreachable (--fallback, last restart), parity gate."""
     swept = launch.sweep(hf, run_rel)
     time.sleep(min(2.0 * 2 ** (n - 1), 60.0))  # 2 s, then twice as long each time, at most 60 s
     rec, lost = {"attempt": n, "swept": swept}, [h for h, v in swept.items() if v.startswith("unreachable")]
@@ -80,24 +78,6 @@ def recover(args, hf, run_rel: str, n: int):
     return hf, rec, p.returncode in (0, 1)
 
 
-def run_with_restarts(args, hf, run_rel: str, targs: list[str], total: int):
-    """The launch, and up to --restarts resumed launches after a hang-category failure."""
-    res, ev, argv = launch.launch_and_collect(args, hf, run_rel, targs, f"launch-{args.stage}.log", total)
-    cat, why = launch.categorize(res, ev, hf.size)
-    attempts, world0 = [], hf.size
-    while cat == HANG and len(attempts) < args.restarts:
-        hf, rec, go = recover(args, hf, run_rel, len(attempts) + 1)
-        attempts.append({**rec, "after": cat, "why": why, "last_step_seen": (res.steps or [None])[-1]})
-        event("restart", run=args.run, attempt=len(attempts), of=args.restarts, after=why, world_size=hf.size,
-              relaunch=go, **({"lost": rec["fallback"]["lost"]} if "fallback" in rec else {}))
-        if go:  # a checkpoint of another world size resumes with the same global batch
-            t = [*targs, *["--resume"] * ("--resume" not in targs)]  # a copy: targs stays as launched
-            t += ["--allow-world-change"] if hf.size != world0 else []
-            res, ev, argv = launch.launch_and_collect(args, hf, run_rel, t, f"launch-{args.stage}.log", total)
-            cat, why = launch.categorize(res, ev, hf.size)
-    return res, ev, argv, cat, why, hf, attempts
-
-
 def main() -> int:
     args, t0 = build_parser().parse_args(), time.time()
     try:
@@ -116,17 +96,26 @@ def main() -> int:
     targs = launch.trainer_args(args, run_rel, args.config, resume=args.resume)
     argv = launch.launch_argv(args.hostfile, hf, args.python, args.remote_root, targs, args.port)
     launch.write_reproduce(run_dir, args.stage, launch.make_cmd(args.stage, v), [argv], args.dataset)
-    res, ev, run_argv, cat, why, hf, attempts = run_with_restarts(args, hf, run_rel, targs, cfg["iters"])
-    fallback = next((a["fallback"] for a in attempts if "fallback" in a), None)
+    log, world0, attempts = f"launch-{args.stage}.log", hf.size, []
+    res, ev, run_argv, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, log, cfg["iters"])
+    while cat == HANG and len(attempts) < args.restarts:  # restart: resume from the latest good checkpoint
+        hf, rec, go = recover(args, hf, run_rel, len(attempts) + 1)
+        attempts.append({**rec, "after": cat, "why": why, "last_step_seen": (res.steps or [None])[-1]})
+        event("restart", run=args.run, attempt=len(attempts), of=args.restarts, after=why, world_size=hf.size,
+              relaunch=go, **({"lost": rec["fallback"]["lost"]} if "fallback" in rec else {}))
+        if go:  # a checkpoint of another world size resumes with the same global batch
+            t = [*targs, *["--resume"] * ("--resume" not in targs)]  # a copy: targs stays as launched
+            t += ["--allow-world-change"] if hf.size != world0 else []
+            res, ev, run_argv, cat, why = launch.launch_and_collect(args, hf, run_rel, t, log, cfg["iters"])
     last = {"train": {}, "test": {}, "done": {}} | {m.get("kind"): m for m in launch.metrics(run_dir)}
     best, adapters = last["done"].get("best_adapter"), run_dir / "adapters" / "adapters.safetensors"
     summary = launch.summarize(res, cat, why, {
         "stage": args.stage, "run": args.run, "world_size": hf.size, "joined": sorted(ev["joined"]),
-        "final_step": last["train"].get("step"), "test_loss": last["test"].get("loss"),
+        "final_step": last["train"].get("step"), "test_loss": last["test"].get("loss"), "attempts": attempts,
         "test_ppl": last["test"].get("ppl"), "best_val_loss": last["done"].get("best_val_loss"),
-        "adapter": f"{run_rel}/adapters" if adapters.is_file() else None, "attempts": attempts,
-        "best_adapter": f"{run_rel}/checkpoints/{Path(best).name}" if best else None, "fallback": fallback,
-        "swept": ev["swept"], "fetched": ev["fetched"], "total_wall_s": round(time.time() - t0, 3)})
+        "adapter": f"{run_rel}/adapters" if adapters.is_file() else None, "fetched": ev["fetched"],
+        "best_adapter": f"{run_rel}/checkpoints/{Path(best).name}" if best else None, "swept": ev["swept"],
+        "fallback": (attempts or [{}])[-1].get("fallback"), "total_wall_s": round(time.time() - t0, 3)})
     return launch.conclude(run_dir, args.stage, summary, cfg, run_argv, hf.size)
 
 

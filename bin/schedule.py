@@ -9,9 +9,9 @@ Example (what `make cron-line` runs):
         --python /Users/op/thunder-runbook/.venv/bin/python --remote-root /Users/op/thunder-runbook \
         --model=models/gemma-4-e2b --dataset=domain_sft_v1_high_signal_thunder
 
-Both run this checkout's venv python, bin/check_parity.py, the arguments (--hostfile made absolute)
-and --json from the repo root, with output in runs/parity/ (last.json, scheduled.log). The crontab
-line alerts on a non-zero exit (stdout, which cron mails, and `logger`). See RUNBOOK.md#scheduled-parity.
+Both run this venv's python, bin/check_parity.py, the arguments (--hostfile made absolute) and --json
+from the repo root, output in runs/parity/ (last.json, scheduled.log); the crontab line alerts on a
+non-zero exit (stdout, which cron mails, and `logger`). See RUNBOOK.md#scheduled-parity.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from lib.log import RunbookError, die  # noqa: E402
 LABEL = "com.thunder-runbook.check-parity"
 OUT = paths.RUNS / "parity"
 PATH_FLAGS = ("--hostfile", "--state-dir")  # flags whose value is a local path (made absolute)
-PYTHON, SCRIPT = paths.ROOT / ".venv" / "bin" / "python", paths.ROOT / "bin" / "check_parity.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,44 +39,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p  # after `--`: bin/check_parity.py's own arguments
 
 
-def command(parity_args: list[str]) -> list[str]:
-    """The argv both schedulers run: absolute interpreter, script and local paths, plus --json."""
-    args = [str((paths.ROOT / a).resolve()) if i and parity_args[i - 1] in PATH_FLAGS else a
-            for i, a in enumerate(parity_args)]
-    argv = [str(PYTHON), str(SCRIPT), *args, "--json"]
+def main() -> int:
+    cut = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
+    args, given = build_parser().parse_args(sys.argv[1:cut]), sys.argv[cut + 1:]
+    argv = [str(paths.ROOT / ".venv" / "bin" / "python"), str(paths.ROOT / "bin" / "check_parity.py"),
+            *(str((paths.ROOT / a).resolve()) if i and given[i - 1] in PATH_FLAGS else a
+              for i, a in enumerate(given)), "--json"]
     if bad := [a for a in argv if "%" in a or "\n" in a or "\r" in a]:  # cron turns % into a newline
-        raise RunbookError(f"argument {bad[0]!r} holds '%' or a line break, which a crontab line cannot "
-                           "carry: rename the path", "scheduled-parity")
-    return argv
-
-
-def cron_line(argv: list[str], every: int) -> str:
-    if not 1 <= every <= 59:
-        raise RunbookError(f"--every-min {every}: cron's minute field takes 1-59", "scheduled-parity")
+        return die(RunbookError(f"argument {bad[0]!r} holds '%' or a line break, which a crontab line cannot "
+                                "carry: rename the path", "scheduled-parity"), 2)
+    log = str(OUT / "scheduled.log")
+    if args.what == "launchd-plist":
+        atomic.write_bytes(plist := OUT / f"{LABEL}.plist", plistlib.dumps({
+            "Label": LABEL, "ProgramArguments": argv, "WorkingDirectory": str(paths.ROOT), "RunAtLoad": False,
+            "StartInterval": args.every_min * 60, "StandardOutPath": log, "StandardErrorPath": log}))
+        print(f"launchd-plist {plist}\ninstall: cp {shlex.quote(str(plist))} ~/Library/LaunchAgents/ && "
+              f"launchctl bootstrap gui/$(id -u) ~/Library/LaunchAgents/{LABEL}.plist")
+        return 0
+    if not 1 <= args.every_min <= 59:
+        return die(RunbookError(f"--every-min {args.every_min}: cron takes 1-59", "scheduled-parity"), 2)
     alert = ('rc=$?; echo "thunder-runbook check-parity exit $rc (1 WARNING, 2 CRITICAL, 3 UNKNOWN): '
              f'see {OUT}/last.json"; /usr/bin/logger -t thunder-runbook "check-parity exit $rc"')
-    out, log = shlex.quote(str(OUT)), shlex.quote(str(OUT / "scheduled.log"))
-    return (f"*/{every} * * * * mkdir -p {out} && cd {shlex.quote(str(paths.ROOT))} && {shlex.join(argv)} "
-            f">> {log} 2>&1 || {{ {alert}; }}")
-
-
-def main() -> int:
-    argv = sys.argv[1:]
-    cut = argv.index("--") if "--" in argv else len(argv)
-    args = build_parser().parse_args(argv[:cut])
-    try:
-        argv = command(argv[cut + 1:])
-        if args.what == "cron-line":
-            print(cron_line(argv, args.every_min))
-            return 0
-    except RunbookError as e:
-        return die(e, 2)
-    log = str(OUT / "scheduled.log")
-    atomic.write_bytes(plist := OUT / f"{LABEL}.plist", plistlib.dumps({
-        "Label": LABEL, "ProgramArguments": argv, "WorkingDirectory": str(paths.ROOT), "RunAtLoad": False,
-        "StartInterval": args.every_min * 60, "StandardOutPath": log, "StandardErrorPath": log}))
-    print(f"launchd-plist {plist}\ninstall: cp {shlex.quote(str(plist))} ~/Library/LaunchAgents/ && "
-          f"launchctl bootstrap gui/$(id -u) ~/Library/LaunchAgents/{LABEL}.plist")
+    print(f"*/{args.every_min} * * * * mkdir -p {shlex.quote(str(OUT))} && cd {shlex.quote(str(paths.ROOT))} "
+          f"&& {shlex.join(argv)} >> {shlex.quote(log)} 2>&1 || {{ {alert}; }}")
     return 0
 
 

@@ -34,28 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def criteria(local: str, n: int, run_rel: str, joined: dict, res2, cfg: dict) -> dict:
-    """The plan's success criteria, each (ok, detail) from what the ranks and the run folder say."""
-    save_every, iters = cfg["save_every"], cfg["iters"]
-    sizes = sorted({j.get("world_size") for j in joined.values()})
-    data = {r: (int(j.get("records") or 0), str(j.get("dataset_sha256"))) for r, j in sorted(joined.items())}
-    checks = [(c.name, *ckpt.verify(c)) for c in ckpt.listing(paths.ROOT / run_rel / "checkpoints")]
-    vals = [m for m in launch.metrics(paths.ROOT / run_rel) if m.get("kind") == "val"]
-    steps = (min(res2.steps), max(res2.steps)) if res2 and res2.steps else None
-    return {
-        "joined": (len(data) == n and sizes == [n], f"{len(data)}/{n} ranks joined with world size {sizes}"),
-        "real_data": (len(data) == n and all(rec > 0 and sha == local for rec, sha in data.values()),
-                      f"local dataset {local[:12]}; " + "; ".join(
-                          f"rank {r}: {rec} records, dataset {sha[:12]}" for r, (rec, sha) in data.items())),
-        "checkpoint": (bool(checks) and all(ok for _, ok, _ in checks),
-                       "; ".join(f"{c}: {'verified' if ok else why}" for c, ok, why in checks) or "none"),
-        "validation": (bool(vals), f"{len(vals)} validation events, last loss {vals[-1]['loss']:.4f}"
-                       if vals else "no validation event"),
-        "resume": (bool(steps) and steps[0] > save_every and steps[1] == iters,
-                   f"phase 1 to step {save_every}, phase 2 steps {steps}"),
-    }
-
-
 def main() -> int:
     args, t0 = build_parser().parse_args(), time.time()
     try:
@@ -69,24 +47,38 @@ def main() -> int:
     run_dir, run_rel, v = paths.run_dir(args.run), f"runs/{args.run}/smoke", launch.variables(args, "smoke")
     man = launch.write_manifest(run_dir, "smoke", v, hf, {"world_size": hf.size})
     targs = launch.trainer_args(args, run_rel, args.config, iters=save_every)
-    res, ev, argv = launch.launch_and_collect(args, hf, run_rel, targs, "launch-1.log")
-    cat, why = launch.categorize(res, ev, hf.size)
+    res, ev, argv, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, "launch-1.log")
     res2, ev2, argv2 = None, {"joined": {}}, None
     if cat is None:
         targs = launch.trainer_args(args, run_rel, args.config, iters=iters, resume=True)
-        res2, ev2, argv2 = launch.launch_and_collect(args, hf, run_rel, targs, "launch-2.log")
-        cat, why = launch.categorize(res2, ev2, hf.size)
-    launch.write_reproduce(run_dir, "smoke", launch.make_cmd("smoke", v), [a for a in (argv, argv2) if a],
-                           args.dataset)
-    crit = criteria(man["dataset_sha256"], hf.size, run_rel, {**ev["joined"], **ev2["joined"]}, res2, cfg)
+        res2, ev2, argv2, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, "launch-2.log")
+    launch.write_reproduce(run_dir, "smoke", launch.make_cmd("smoke", v), [a for a in (argv, argv2) if a])
+    # the plan's success criteria, each (ok, detail), from what the ranks and the run folder say
+    joined, n, local = {**ev["joined"], **ev2["joined"]}, hf.size, man["dataset_sha256"]
+    sizes = sorted({j.get("world_size") for j in joined.values()})
+    data = {r: (int(j.get("records") or 0), str(j.get("dataset_sha256"))) for r, j in sorted(joined.items())}
+    checks = [(c.name, *ckpt.verify(c)) for c in ckpt.listing(paths.ROOT / run_rel / "checkpoints")]
+    vals = [m for m in launch.metrics(paths.ROOT / run_rel) if m.get("kind") == "val"]
+    steps = (min(res2.steps), max(res2.steps)) if res2 and res2.steps else None
+    crit = {
+        "joined": (len(data) == n and sizes == [n], f"{len(data)}/{n} ranks joined with world size {sizes}"),
+        "real_data": (len(data) == n and all(rec > 0 and sha == local for rec, sha in data.values()),
+                      f"local dataset {local[:12]}; " + "; ".join(
+                          f"rank {r}: {rec} records, dataset {sha[:12]}" for r, (rec, sha) in data.items())),
+        "checkpoint": (bool(checks) and all(ok for _, ok, _ in checks),
+                       "; ".join(f"{c}: {'verified' if ok else why}" for c, ok, why in checks) or "none"),
+        "validation": (bool(vals), f"{len(vals)} validation events, last loss {vals[-1]['loss']:.4f}"
+                       if vals else "no validation event"),
+        "resume": (bool(steps) and steps[0] > save_every and steps[1] == iters,
+                   f"phase 1 to step {save_every}, phase 2 steps {steps}"),
+    }
     for name, (ok, detail) in crit.items():
         event("smoke-check", name=name, status="ok" if ok else "FAIL", detail=detail)
     summary = launch.summarize(res2 or res, cat, why, {
-        "stage": "smoke", "run": args.run, "run_dir": run_rel, "world_size": hf.size,
+        "stage": "smoke", "run": args.run, "run_dir": run_rel, "world_size": hf.size, "swept": ev["swept"],
         "criteria": {k: {"ok": c, "detail": d} for k, (c, d) in crit.items()},
         "launches": [{"returncode": r.returncode, "wall_s": round(r.wall_s, 3)} for r in (res, res2) if r],
-        "swept": ev.get("swept"), "total_wall_s": round(time.time() - t0, 3),
-        "ok": cat is None and all(ok for ok, _ in crit.values())})
+        "total_wall_s": round(time.time() - t0, 3), "ok": cat is None and all(ok for ok, _ in crit.values())})
     return launch.conclude(run_dir, "smoke", summary, cfg, argv2 or argv, hf.size)
 
 

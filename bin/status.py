@@ -7,21 +7,21 @@ Usage:
 Example (`make status RUN=stage1 JSON=1`, e.g. from cron):
     python bin/status.py --run stage1 --remote-root "$PWD" --python "$PWD/.venv/bin/python" --json
 
-One ssh call to rank 0's host (BatchMode, 5 s) reads metrics, failure files and the latest checkpoint
-(this Mac's copy when it does not answer); per-rank steps and tok/s come from this Mac's launch log.
-Exit 0 OK, 1 WARNING (a rank silent 600 s), 2 CRITICAL (failed), 3 UNKNOWN (rank 0's host unreachable
-while running). See RUNBOOK.md#status.
+One ssh call to rank 0's host (BatchMode, 5 s; else this Mac's copy) reads metrics, failure files and the
+latest checkpoint; per-rank steps and tok/s come from this Mac's launch log. Exit 0 OK, 1 WARNING (a rank
+silent 600 s), 2 CRITICAL (failed), 3 UNKNOWN (rank 0's host unreachable while running). RUNBOOK.md#status.
 """
 
 from __future__ import annotations
 
 import argparse
-import calendar
+import contextlib
 import json
 import re
 import statistics
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,14 +36,13 @@ VERDICT_KEYS = ("ok", "category", "why", "final_step", "test_loss", "attempts", 
 RANK_LINE = re.compile(r"^(\S+Z) .*?iter (\d+) rank (\d+) .*?tokens (\d+) step_s (\S+)")
 # Runs on rank 0's host (or on this Mac's copy) with the run folder as argv[1]: one JSON object.
 PROBE = r"""
-import json, sys
-from pathlib import Path
+import json, pathlib, sys
 def load(text):
     try: return json.loads(text)
     except ValueError: return {}
 def tail(p):
     return p.read_bytes()[-65536:].decode(errors="replace") if p.is_file() else ""
-d = Path(sys.argv[1])
+d = pathlib.Path(sys.argv[1])
 lid = load(tail(d / "logs" / "rank-0.joined.json")).get("launch_id")
 fails = {p.name.split(".")[0]: load(tail(p)) for p in sorted((d / "logs").glob("rank-*.failure.json"))}
 print(json.dumps({"metrics": [m for m in map(load, tail(d / "metrics.jsonl").splitlines()) if m],
@@ -63,29 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
 def probe(host: str, root: str, python: str, run_rel: str) -> dict | None:
     """PROBE's answer from host, here for 127.0.0.1 (None: unreachable or no answer within 5 s)."""
     r = run_on(host, ["sh", "-c", 'cd "$1" && exec "$2" - "$3"', "sh", root, python, run_rel], 5, input=PROBE)
-    try:
+    with contextlib.suppress(ValueError):
         return json.loads(r.stdout) if r.ok else None
-    except ValueError:
-        return None
 
 
-def ranks_from_log(log: Path, now: float) -> dict:
-    """Per rank: last step, seconds since it, tok/s and median step time over its last 20 steps."""
-    seen: dict[str, list] = {}
-    for line in (log.read_bytes()[-262144:].decode(errors="replace") if log.is_file() else "").splitlines():
-        if m := RANK_LINE.match(line):
-            seen.setdefault(m[3], []).append((m[1], int(m[2]), int(m[4]), float(m[5])))
-    out = {}
-    for r, rows in sorted(seen.items()):
-        tail, ago = rows[-20:], now - calendar.timegm(time.strptime(rows[-1][0], "%Y-%m-%dT%H:%M:%SZ"))
-        secs, tokens = sum(x[3] for x in tail), sum(x[2] for x in tail)
-        out[r] = {"last_step": rows[-1][1], "since_s": round(ago, 1), "tok_per_s": round(tokens / secs, 1)
-                  if secs else None, "step_s": statistics.median(x[3] for x in tail)}
-    return out
-
-
-def gather(args) -> tuple[dict, int]:
-    run_dir, run_rel = paths.RUNS / args.run, f"runs/{args.run}"
+def main() -> int:
+    args = build_parser().parse_args()
+    run_dir, run_rel = paths.RUNS / paths.check_run_id(args.run), f"runs/{args.run}"
     man = read_json(run_dir / "manifest.json")
     stage, iters = man.get("stage") or "train", man.get("iters")
     running = "ended" not in (man.get("stages") or {}).get(stage, {"ended": None})
@@ -95,7 +78,17 @@ def gather(args) -> tuple[dict, int]:
     src = remote or probe("127.0.0.1", str(paths.ROOT), sys.executable, run_rel)  # complete once fetched
     train = [m for m in src["metrics"] if m.get("kind") == "train"]
     val = next((m for m in reversed(src["metrics"]) if m.get("kind") == "val"), None)
-    ranks = ranks_from_log(run_dir / "logs" / f"launch-{stage}.log", time.time())
+    seen: dict[str, list] = {}  # per rank, from this Mac's launch log: its last 20 steps
+    log = run_dir / "logs" / f"launch-{stage}.log"
+    for line in (log.read_bytes()[-262144:].decode(errors="replace") if log.is_file() else "").splitlines():
+        if m := RANK_LINE.match(line):
+            seen.setdefault(m[3], []).append((m[1], int(m[2]), int(m[4]), float(m[5])))
+    ranks = {}
+    for r, rows in sorted(seen.items()):
+        tail, ago = rows[-20:], time.time() - datetime.fromisoformat(rows[-1][0]).timestamp()
+        secs, tokens = sum(x[3] for x in tail), sum(x[2] for x in tail)
+        ranks[r] = {"last_step": rows[-1][1], "since_s": round(ago, 1), "tok_per_s": round(tokens / secs, 1)
+                    if secs else None, "step_s": statistics.median(x[3] for x in tail)}
     step, step_s = (train or [{}])[-1].get("step"), ranks.get("0", {}).get("step_s")
     verdict = {} if running else read_json(run_dir / f"{stage}.json")
     silent = [r for r, v in ranks.items() if v["since_s"] > SILENT_S]
@@ -107,28 +100,21 @@ def gather(args) -> tuple[dict, int]:
         (running and silent, 1, f"rank(s) {', '.join(silent)} silent for over {SILENT_S:g} s"),
         (True, 0, f"step {step}/{iters}" if running else "finished")) if bad)
     eta = round((iters - step) * step_s, 1) if running and step is not None and step_s else None
-    return {"run": args.run, "stage": stage, "running": running, "reachable": remote is not None,
-            "step": step, "iters": iters, "eta_s": eta, "train_loss": train[-1]["loss"] if train else None,
-            "loss_trend": [round(m["loss"], 5) for m in train[-5:]], "ranks": ranks,
-            "last_val": {"step": val["step"], "loss": val["loss"]} if val else None,
-            "latest_checkpoint": src["latest"], "failures": src["failures"], "status": STATUS[code],
-            "why": why, "verdict": {k: verdict.get(k) for k in VERDICT_KEYS} if verdict else None}, code
-
-
-def main() -> int:
-    args = build_parser().parse_args()
-    paths.check_run_id(args.run)
-    st, code = gather(args)
+    st = {"run": args.run, "stage": stage, "running": running, "reachable": remote is not None,
+          "step": step, "iters": iters, "eta_s": eta, "train_loss": train[-1]["loss"] if train else None,
+          "loss_trend": [round(m["loss"], 5) for m in train[-5:]], "ranks": ranks,
+          "last_val": {"step": val["step"], "loss": val["loss"]} if val else None,
+          "latest_checkpoint": src["latest"], "failures": src["failures"], "status": STATUS[code],
+          "why": why, "verdict": {k: verdict.get(k) for k in VERDICT_KEYS} if verdict else None}
     if args.json:
         print(json.dumps(st, sort_keys=True))
         return code
-    eta = time.strftime("%H:%M:%S", time.gmtime(st["eta_s"])) if st["eta_s"] is not None else "-"
-    print(f"STATUS {st['status']} - {st['why']} | {st['stage']} step {st['step']}/{st['iters']} eta {eta} "
-          f"loss {st['train_loss']} trend {st['loss_trend']} val {st['last_val']} "
-          f"checkpoint {st['latest_checkpoint']}")
-    for r, v in st["ranks"].items():
+    hms = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta is not None else "-"
+    print(f"STATUS {st['status']} - {why} | {stage} step {step}/{iters} eta {hms} loss {st['train_loss']} "
+          f"trend {st['loss_trend']} val {st['last_val']} checkpoint {src['latest']}")
+    for r, v in ranks.items():
         print(f"rank {r}: step {v['last_step']}, {v['since_s']:.0f} s ago, {v['tok_per_s']} tok/s")
-    for n, f in st["failures"].items():
+    for n, f in src["failures"].items():
         print(f"{n}: {f.get('category')}: {f.get('message')}")
     if st["verdict"]:
         print(f"verdict: {'PASS' if st['verdict']['ok'] else 'FAIL'} {json.dumps(st['verdict'])}")

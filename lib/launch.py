@@ -5,8 +5,7 @@ The launch is mlx.launch with the hostfile (an argument list, never a shell stri
 itself for one host (mlx 0.32.4 hands a lone rank an empty MLX_HOSTFILE). A new `iter N` step or a
 `progress` line is progress; none for the watchdog window stops every rank ("hang / link partition").
 
-    res, ev, argv = launch.launch_and_collect(args, hf, "runs/r1", targs, "launch-train.log")
-    category, why = launch.categorize(res, ev, hf.size)
+    res, ev, argv, category, why = launch.launch_and_collect(args, hf, "runs/r1", targs, "launch-train.log")
 """
 
 from __future__ import annotations
@@ -77,8 +76,7 @@ def model_hash(model: str) -> str:
 
 
 def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, extra: dict) -> dict:
-    """runs/<RUN>/manifest.json: what this run is made of (reproduce.sh names the dataset's corpus and
-    export settings), written before any rank starts."""
+    """runs/<RUN>/manifest.json: what this run is made of, written before any rank starts."""
     stages = read_json(run_dir / "manifest.json").get("stages", {})
     stages[stage], v = {"started": time.strftime(NOW)}, variables
     dsha = read_json(paths.DATASETS / v["DATASET"] / "manifest.json").get("dataset_sha256", "missing")
@@ -98,16 +96,13 @@ def finish_manifest(run_dir: Path, stage: str, summary: dict) -> None:
 
 
 def export_section(dataset: str) -> list[str]:
-    """reproduce.sh's first section: the `make export` of datasets/<dataset>, from its manifest."""
+    """reproduce.sh's first section: the `make export` of datasets/<dataset> (file names by repr: 1 line)."""
     man = read_json(paths.DATASETS / dataset / "manifest.json")
     files = [f for f in man.get("sources") or [] if isinstance(f, dict) and isinstance(f.get("path"), str)]
     head = ["# --- stage: export ---", f"# The dataset {dataset} this run used (its manifest.json):"]
     if not files:
-        return head + ["# corpus not recorded in its manifest: re-export it with",
-                       f"# make export CORPUS=... DATASET={dataset}"]
-    for f in files:  # escaped: a comment ends at a newline
-        shown = f["path"].replace("\n", "\\n").replace("\r", "\\r")
-        head.append(f"# corpus file {shown} sha256 {f.get('sha256', 'not recorded')}")
+        return head + [f"# corpus not recorded: re-export it with make export CORPUS=... DATASET={dataset}"]
+    head += [f"# corpus file {f['path']!r} sha256 {f.get('sha256', 'not recorded')}" for f in files]
     head.append(f"# corpus_sha256 {man.get('corpus_sha256', 'not recorded')}; "
                 f"dataset_sha256 {man.get('dataset_sha256', 'not recorded')}")
     s = man.get("settings") or {}
@@ -208,28 +203,15 @@ def sweep(hf: Hostfile, run_rel: str) -> dict[str, str]:
             f"unreachable: {r.stderr.strip()[:200]}" for r in rs}
 
 
-def fetch(hf: Hostfile, run_rel: str, remote_root: str) -> dict[str, str]:
-    """Bring run_rel home: everything from rank 0's host, the logs from the others."""
-    out, local_dir = {}, paths.ROOT / run_rel
-    for i, host in enumerate(hf.unique_ssh()):  # 127.0.0.1 with REMOTE_ROOT here: a no-op copy
-        src = ("" if is_local(host) else f"{host}:") + f"{remote_root}/{run_rel}/"
-        only_logs = ["--include=logs/", "--include=logs/**", "--exclude=*"] if i else []
-        p = subprocess.run(["rsync", "-a", "-e", rsh(), *only_logs, src, f"{local_dir}/"],
-                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-        out[host] = "ok" if p.returncode == 0 else f"rsync exit {p.returncode}: {p.stderr.strip()[:200]}"
-    return out
-
-
 # ---- what happened -------------------------------------------------------------------------
 def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str]:
-    """(category, why) of a failed launch, (None, "") of a good one: every rank joined, no failure file
-    and the trainer's `done` line (mlx.launch 0.32.4 can exit 0 when a rank never started)."""
+    """(category, why), or (None, "") if every rank joined, none failed and rank 0 printed `done`."""
     if res.watchdog_fired:
         return HANG, f"no progress for the watchdog window (last progress at {res.last_progress_s:.0f} s)"
     for r, f in sorted(ev["failures"].items()):
         if f.get("category") in CATEGORIES:
             return f["category"], f"rank {r}: {f.get('message', '')}"
-    if len(ev["joined"]) < world:
+    if len(ev["joined"]) < world:  # mlx.launch 0.32.4 can exit 0 although a rank never started
         missing = sorted(set(range(world)) - set(ev["joined"]))
         return PARITY, f"ranks {missing} never initialized (launcher exit {res.returncode})"
     if ev["failures"]:
@@ -247,8 +229,7 @@ def oom_line(log_path: Path, offset: int = 0) -> str | None:
     """The first out-of-memory message after `offset` in the launch log, if any."""
     with open(log_path, "rb") as f:
         f.seek(offset)
-        return next((line[:300] for raw in f if OOM_RE.search(line := raw.decode(errors="replace").strip())),
-                    None)
+        return next((s[:300] for raw in f if OOM_RE.search(s := raw.decode(errors="replace").strip())), None)
 
 
 def oom_ladder(cfg: dict, argv: list[str], world: int) -> list[str]:
@@ -273,8 +254,7 @@ def add_common_args(p) -> None:
     for flag in ("--run", "--hostfile", "--config", "--model", "--dataset", "--remote-root", "--python"):
         p.add_argument(flag, required=True)
     p.add_argument("--seed", type=int)
-    p.add_argument("--watchdog", type=float, help="seconds without progress before every rank is stopped "
-                   "(default: the config's watchdog_s, else max(10 x median step, 300))")
+    p.add_argument("--watchdog", type=float, help="seconds without progress before every rank is stopped")
     p.add_argument("--port", type=int, help="first ring port (mlx.launch --starting-port)")
 
 
@@ -302,14 +282,14 @@ def make_cmd(target: str, v: dict) -> list[str]:
 def trainer_args(args, run_rel: str, config: str, iters: int | None = None, resume: bool = False):
     a = ["--config", config, "--model", args.model, "--data", f"datasets/{args.dataset}"]
     a += ["--run-dir", run_rel] + (["--seed", str(args.seed)] if args.seed is not None else [])
-    a += ["--iters", str(iters)] if iters is not None else []
-    return a + (["--resume"] if resume else [])
+    return a + (["--iters", str(iters)] if iters is not None else []) + (["--resume"] if resume else [])
 
 
 def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_name: str,
-                       total: int | None = None) -> tuple[LaunchResult, dict, list[str]]:
-    """One launch teed to logs/<log_name>, stopped after the watchdog window (else max(10 x median step,
-    300 s)) without progress; then the hosts swept, the run folder fetched, its rank events read."""
+                       total: int | None = None) -> tuple[LaunchResult, dict, list[str], str | None, str]:
+    """One launch teed to logs/<log_name>, stopped after the watchdog window (--watchdog, else the config's
+    watchdog_s, else max(10 x median step, 300 s)) without progress; then the hosts swept, the run folder
+    fetched (rank 0's host: all of it; the others: logs), its rank events read, the outcome categorized."""
     launch_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log_name.split('.')[0]}"
     argv = launch_argv(args.hostfile, hf, args.python, args.remote_root,
                        [*targs, "--expect-world-size", str(hf.size), "--launch-id", launch_id], args.port)
@@ -319,8 +299,7 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
     watch, t0 = Watch(res := LaunchResult(returncode=-1, wall_s=0), total), time.monotonic()
     proc = subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
-    reader = threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)
-    reader.start()
+    (reader := threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)).start()
     while proc.poll() is None:
         time.sleep(0.2)
         with watch.lock:
@@ -339,11 +318,18 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
     proc.wait()
     reader.join(timeout=10)
     res.returncode, res.last_progress_s, res.wall_s = proc.returncode, watch.last - t0, time.monotonic() - t0
-    swept, fetched = sweep(hf, run_rel), fetch(hf, run_rel, args.remote_root)
+    swept, fetched = sweep(hf, run_rel), {}
+    for i, host in enumerate(hf.unique_ssh()):  # 127.0.0.1 with REMOTE_ROOT here: a no-op copy
+        src = ("" if is_local(host) else f"{host}:") + f"{args.remote_root}/{run_rel}/"
+        only_logs = ["--include=logs/", "--include=logs/**", "--exclude=*"] if i else []
+        p = subprocess.run(["rsync", "-a", "-e", rsh(), *only_logs, src, f"{paths.ROOT / run_rel}/"],
+                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        fetched[host] = "ok" if p.returncode == 0 else f"rsync exit {p.returncode}: {p.stderr.strip()[:200]}"
     ev = {key: {int(f.name.split(".")[0][5:]): d for f in sorted(log_path.parent.glob(f"rank-*.{kind}.json"))
                 if (d := read_json(f)).get("launch_id") == launch_id}  # an earlier launch's are stale
           for key, kind in (("joined", "joined"), ("failures", "failure"))}
-    return res, {**ev, "oom_line": oom_line(log_path, offset), "swept": swept, "fetched": fetched}, argv
+    ev |= {"oom_line": oom_line(log_path, offset), "swept": swept, "fetched": fetched}
+    return res, ev, argv, *categorize(res, ev, hf.size)
 
 
 def summarize(res: LaunchResult, category: str | None, why: str, extra: dict) -> dict:
