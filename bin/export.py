@@ -16,20 +16,16 @@ import fcntl
 import glob
 import gzip
 import json
-import multiprocessing
 import os
 import shlex
 import shutil
 import signal
 import sys
-import threading
 import time
 import zlib
-from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
 from fractions import Fraction
 from functools import partial
 from hashlib import sha256
-from itertools import chain
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -52,7 +48,7 @@ DEFAULTS = {"fields": {}, "roles": {}, "ratios": {"train": 0.9, "valid": 0.05, "
             "text_user_prompt": "Write a passage from the reference documentation."}
 FLAGS = {"ratios": str, "max_reject_ratio": float, "max_chars": int, "text_system_prompt": str,
          "text_user_prompt": str}  # the settings that have a flag of their own, e.g. --max-chars
-RAW_PREFIX, CHUNK = 500, 2000  # bytes of a rejected line kept; lines per task of a worker
+RAW_PREFIX = 500  # bytes of a rejected line kept
 MISSING = object()
 ENC = json.encoder.encode_basestring_ascii  # a string as json.dumps writes it (pure ASCII)
 SCAN = json.decoder.JSONDecoder().scan_once  # json.loads without its per-call overhead
@@ -76,7 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", action="append", default=[], metavar="FROM=TO", help="e.g. human=user")
     for key, kind in FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), type=kind, help=f"configs/export.yaml's {key}")
-    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4), help="processes (same output)")
     return p
 
 
@@ -151,11 +146,11 @@ def corpus_files(patterns: list[str], out: Path) -> list[dict]:
             for f in sorted(found.values(), key=paths.rel)]
 
 
-def tasks(sources: list[dict], limit: int):
-    """(file path, line number before the chunk, CHUNK lines) of every file; a line over `limit` bytes is
-    cut to limit + 1 and the rest skipped, never held. Sets src["lines"] and src["gzip"] (told by content)."""
+def lines(sources: list[dict], limit: int):
+    """(file path, line number, line) of every file; a line over `limit` bytes is cut to limit + 1 and the
+    rest skipped, never held. Sets src["lines"] and src["gzip"] (told by content)."""
     for src in sources:
-        n, chunk = 0, []
+        n = 0
         try:
             with open(src["file"], "rb") as raw:
                 src["gzip"] = raw.peek(2)[:2] == b"\x1f\x8b"
@@ -164,19 +159,15 @@ def tasks(sources: list[dict], limit: int):
                     if line[-1:] != b"\n" and len(line) > limit:
                         while (rest := f.readline(1 << 20)) and rest[-1:] != b"\n":
                             pass
-                    chunk.append(line.removesuffix(b"\n"))
-                    if len(chunk) == CHUNK:
-                        yield src["path"], n, chunk
-                        n, chunk = n + CHUNK, []
+                    n += 1
+                    yield src["path"], n, line.removesuffix(b"\n")
         except (OSError, EOFError, zlib.error) as e:
-            raise fail(f"{src['path']}: cannot read past line {n + len(chunk)}: {e}; re-create the file "
+            raise fail(f"{src['path']}: cannot read past line {n}: {e}; re-create the file "
                        "(`gzip -t` checks a .gz)", "export-no-input") from e
-        if chunk:
-            yield src["path"], n, chunk
-        src["lines"] = n + len(chunk)
+        src["lines"] = n
 
 
-# ---- one line -> one record (in the pool's workers) -----------------------------------------------
+# ---- one line -> one record ---------------------------------------------------------------------
 def text(v, what: str) -> str:
     if v is None:
         raise Reject("missing_content", f"{what} is absent or null")
@@ -287,87 +278,42 @@ class Shaper:
         split = 0 if rd[:8] < self.bounds[0] else 1 if rd[:8] < self.bounds[1] else 2
         return line.encode(), split, int.from_bytes(rd, "big"), int.from_bytes(cd, "big"), derived
 
-    def chunk(self, fname: str, base: int, lines: list[bytes]) -> list[tuple]:
-        """A pool worker's task: each line's record (a 5-tuple), or its (reason, detail)."""
-        out, record = [], self.record
-        for n, raw in enumerate(lines, base + 1):
-            try:
-                out.append(record(raw, n, fname))
-            except Reject as e:
-                out.append(e.args)
-        return out
-
-
-def init_worker(parent: int) -> None:
-    """A pool worker: signals are the exporter's; it leaves when the exporter is gone (even SIGKILLed)."""
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    threading.Thread(target=watch, daemon=True).start()
-
 
 # ---- the export: first duplicate wins, every line accounted for ---------------------------------
-def run_export(sources: list[dict], tmp: Path, s: dict, workers: int = 1) -> dict:
-    """Every line into tmp/{train,valid,test,rejects}.jsonl; returns the facts. Workers shape the chunks (2
-    each in flight); this process takes the results in input order, so `workers` changes nothing."""
+def run_export(sources: list[dict], tmp: Path, s: dict) -> dict:
+    """Every line, in input order, into tmp/{train,valid,test,rejects}.jsonl; returns the facts."""
     outs = {k: open(tmp / f"{k}.jsonl", "wb") for k in (*SPLITS, "rejects")}
-    rids, contents, procs, pending, by_reason = {}, set(), set(), [], dict.fromkeys(REASONS, 0)
+    rids, contents, by_reason = {}, set(), dict.fromkeys(REASONS, 0)
     c = dict.fromkeys(("input", "exported", "rejected", "duplicates", *SPLITS), 0)
     derived = dict.fromkeys(("record_id", "weight", "source"), 0)
-    shaper, workers = Shaper(s), max(workers, 1)
-    pool = ProcessPoolExecutor(workers, initializer=init_worker, initargs=(os.getpid(),))
+    shaper = Shaper(s)
     try:
-        for task in chain(tasks(sources, shaper.limit), [None]):  # None: take what is left
-            if task:
-                pending.append((task, pool.submit(shaper.chunk, *task)))
-                procs.update(multiprocessing.active_children())  # the pool starts them as work arrives
-            while len(pending) > (2 * workers if task else 0):
-                (fname, base, lines), future = pending.pop(0)
-                for n, rec in enumerate(result_of(future, procs), base + 1):
-                    if len(rec) == 5 and rids.setdefault(rec[2], rec[3]) != rec[3]:
-                        rec = ("record_id_conflict", "this record_id was seen earlier with other messages; "
-                               "give one its own")
-                    if len(rec) == 2:
-                        by_reason[rec[0]] += 1
-                        outs["rejects"].write(reject_line(fname, n, lines[n - base - 1], *rec))
-                    elif rec[3] in contents:
-                        c["duplicates"] += 1
-                    else:
-                        contents.add(rec[3])
-                        c[SPLITS[rec[1]]] += 1
-                        outs[SPLITS[rec[1]]].write(rec[0])
-                        for key in rec[4]:
-                            derived[key] += 1
-        pool.shutdown()  # all done: the workers leave before this process goes on
-    except BrokenProcessPool:
-        for p in multiprocessing.active_children():
-            p.kill()
-        raise fail("an export worker process died (killed; the out-of-memory killer?): export again, with "
-                   "fewer --workers if memory is short", "export-crashed") from None
+        for fname, n, raw in lines(sources, shaper.limit):
+            try:
+                line, split, rid, content, absent = shaper.record(raw, n, fname)
+                if rids.setdefault(rid, content) != content:
+                    raise Reject("record_id_conflict", "this record_id was seen earlier with other messages; "
+                                 "give one its own")
+            except Reject as e:
+                by_reason[e.args[0]] += 1
+                outs["rejects"].write(reject_line(fname, n, raw, *e.args))
+                continue
+            if content in contents:
+                c["duplicates"] += 1
+                continue
+            contents.add(content)
+            c[SPLITS[split]] += 1
+            outs[SPLITS[split]].write(line)
+            for key in absent:
+                derived[key] += 1
     finally:
         for f in outs.values():
             f.close()
-        pool.shutdown(wait=False, cancel_futures=True)
     c.update(input=sum(x["lines"] for x in sources), rejected=sum(by_reason.values()),
              exported=c["train"] + c["valid"] + c["test"])
     files = {f"{k}.jsonl": {"sha256": sha256_file(f.name), "bytes": os.path.getsize(f.name),
                             "records": c.get(k, c["rejected"])} for k, f in outs.items()}
     return {"counts": c, "by_reason": by_reason, "derived": derived, "files": files}
-
-
-def result_of(future, procs: set) -> list:
-    """The chunk's records. A worker killed while it sends its result leaves half a message in the pipe,
-    and ProcessPoolExecutor then waits for the rest for ever (CPython 3.11): so look at the workers."""
-    while True:
-        try:
-            return future.result(timeout=1)
-        except TimeoutError:
-            if any(p.exitcode is not None for p in procs):
-                raise BrokenProcessPool from None
 
 
 def reject_line(fname: str, n: int, raw: bytes, reason: str, detail: str) -> bytes:
@@ -439,11 +385,11 @@ def lock_and_clean(out: Path):
     return lock
 
 
-def export(out: Path, sources: list[dict], s: dict, workers: int) -> dict:
+def export(out: Path, sources: list[dict], s: dict) -> dict:
     """Export into a temp folder beside `out`, report, and swap it in (or fail, `out` as it was)."""
     failed = out.parent / f"{out.name}.failed-rejects.jsonl"
     with atomic.atomic_dir(out) as tmp:
-        r = run_export(sources, tmp, s, workers)
+        r = run_export(sources, tmp, s)
         c, limit = r["counts"], s["max_reject_ratio"] * r["counts"]["input"]
         if c["input"] == 0:
             raise fail(f"the corpus has no lines ({', '.join(x['path'] for x in sources)}): pass the right "
@@ -490,7 +436,7 @@ def main() -> int:
                 event("export_unchanged", dataset=paths.rel(out), corpus_sha256=m["corpus_sha256"][:12],
                       dataset_sha256=m["dataset_sha256"], why="the same corpus and settings: nothing written")
                 return 0
-            m = export(out, sources, s, args.workers)
+            m = export(out, sources, s)
     except RunbookError as e:
         return die(e)
     except KeyboardInterrupt:
@@ -501,12 +447,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit as e:  # from SIGTERM's handler, once the temp folder is gone
-        code = e.code if isinstance(e.code, int) else 1
-    # Not sys.exit: after a worker died mid-send (SIGKILL, or SIGTERM to the process group) the pool's own
-    # thread waits for ever on the half-sent result (see result_of), and a normal exit would join it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())
