@@ -51,7 +51,6 @@ FLAGS = {"ratios": str, "max_reject_ratio": float, "max_chars": int, "text_syste
 RAW_PREFIX = 500  # bytes of a rejected line kept
 MISSING = object()
 ENC = json.encoder.encode_basestring_ascii  # a string as json.dumps writes it (pure ASCII)
-SCAN = json.decoder.JSONDecoder().scan_once  # json.loads without its per-call overhead
 fail = partial(RunbookError, category=DATA)  # fail(message, anchor): the RUNBOOK heading names the fix
 
 
@@ -236,18 +235,12 @@ class Shaper:
             raise Reject("too_long", f"line is over {self.limit} bytes (8 x max_chars + 64 KiB)")
         if not raw or raw.isspace():
             raise Reject("blank_line", "empty or whitespace-only line")
-        try:
-            line = raw.decode()
-            obj, end = SCAN(line, 0)
-            if end != len(line) and not line[end:].isspace():
-                raise ValueError
+        try:  # a byte-order mark may start a file
+            obj = json.loads((raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw).decode())
         except UnicodeDecodeError as e:  # a ValueError too
             raise Reject("non_utf8", f"byte {e.start}: {e.reason}") from None
-        except (StopIteration, ValueError):
-            try:  # json.loads for its message (and a byte-order mark that starts a file)
-                obj = json.loads(line[1:] if lineno == 1 and line[0] == "\ufeff" else line)
-            except ValueError as e:
-                raise Reject("invalid_json", str(e)) from None
+        except ValueError as e:
+            raise Reject("invalid_json", str(e)) from None
         if type(obj) is not dict:
             raise Reject("not_an_object", f"a JSON {type(obj).__name__}, not an object")
         turns, f = self.turns(obj), self.f
