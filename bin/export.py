@@ -273,8 +273,8 @@ class Shaper:
 
 
 # ---- the export: first duplicate wins, every line accounted for ---------------------------------
-def run_export(sources: list[dict], tmp: Path, s: dict) -> dict:
-    """Every line, in input order, into tmp/{train,valid,test,rejects}.jsonl; returns the facts."""
+def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
+    """Every line, in input order, into tmp/{train,valid,test,rejects}.jsonl; returns the manifest."""
     outs = {k: open(tmp / f"{k}.jsonl", "wb") for k in (*SPLITS, "rejects")}
     rids, contents, by_reason = {}, set(), dict.fromkeys(REASONS, 0)
     c = dict.fromkeys(("input", "exported", "rejected", "duplicates", *SPLITS), 0)
@@ -309,16 +309,12 @@ def run_export(sources: list[dict], tmp: Path, s: dict) -> dict:
              exported=c["train"] + c["valid"] + c["test"])
     files = {f"{k}.jsonl": {"sha256": sha256_file(f.name), "bytes": os.path.getsize(f.name),
                             "records": c.get(k, c["rejected"])} for k, f in outs.items()}
-    return {"counts": c, "by_reason": by_reason, "derived": derived, "files": files}
-
-
-def build_manifest(name: str, sources: list[dict], r: dict, s: dict) -> dict:
-    bounds, settings = Shaper(s).bounds, as_json(s)
+    bounds, settings = shaper.bounds, as_json(s)
     return {
-        "dataset": name, "derived": r["derived"], "files": r["files"], "settings": settings, "exporter": {
+        "dataset": name, "derived": derived, "files": files, "settings": settings, "exporter": {
             "script": "bin/export.py", "version": EXPORTER_VERSION, "script_sha256": sha256_file(__file__)},
-        "counts": r["counts"], "rejects_by_reason": {k: v for k, v in r["by_reason"].items() if v},
-        "dataset_sha256": digest_of({f"{k}.jsonl": r["files"][f"{k}.jsonl"]["sha256"] for k in SPLITS}),
+        "counts": c, "rejects_by_reason": {k: v for k, v in by_reason.items() if v},
+        "dataset_sha256": digest_of({f"{k}.jsonl": files[f"{k}.jsonl"]["sha256"] for k in SPLITS}),
         "split": {"key": "record_id", "ratios": settings["ratios"], "train_below": bounds[0].hex(),
                   "valid_below": bounds[1].hex(), "rule": "h = the first 16 hex digits of sha256(record_id): "
                   "train if h < train_below, else valid if h < valid_below, else test"},
@@ -378,8 +374,8 @@ def export(out: Path, sources: list[dict], s: dict) -> dict:
     """Export into a temp folder beside `out`, report, and swap it in (or fail, `out` as it was)."""
     failed = out.parent / f"{out.name}.failed-rejects.jsonl"
     with atomic.atomic_dir(out) as tmp:
-        r = run_export(sources, tmp, s)
-        c, limit = r["counts"], s["max_reject_ratio"] * r["counts"]["input"]
+        m = run_export(out.name, sources, tmp, s)
+        c, limit = m["counts"], s["max_reject_ratio"] * m["counts"]["input"]
         event("export_counts", **c)
         ok = ["ok" if x else "MISMATCH" for x in (
             c["input"] == c["exported"] + c["rejected"] + c["duplicates"],
@@ -387,20 +383,17 @@ def export(out: Path, sources: list[dict], s: dict) -> dict:
         print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + "
               f"duplicates {c['duplicates']} {ok[0]}; exported {c['exported']} = train {c['train']} + valid "
               f"{c['valid']} + test {c['test']} {ok[1]}", flush=True)
-        print(f"export_rejects {' '.join(f'{k} {v}' for k, v in r['by_reason'].items() if v) or 'none'}",
-              flush=True)
-        event("export_derived", **r["derived"])
+        event("export_rejects", **m["rejects_by_reason"], total=c["rejected"])
+        event("export_derived", **m["derived"])
         if c["rejected"] > limit:
             os.replace(tmp / "rejects.jsonl", failed)
-            raise fail(f"{c['rejected']} of {c['input']} lines rejected, over the threshold "
-                       f"{s['max_reject_ratio']:g} x input = {limit:g}; every rejected line (file, line, "
-                       f"reason) is in {paths.rel(failed)}: fix the corpus, remap fields (--field), or raise "
-                       "max_reject_ratio knowingly", "export-too-many-rejects")
+            raise fail(f"{c['rejected']} of {c['input']} lines rejected, over the threshold {s['max_reject_ratio']:g}"
+                       f" x input; each (file, line, reason) is in {paths.rel(failed)}: fix the corpus, remap "
+                       "fields (--field), or raise max_reject_ratio knowingly", "export-too-many-rejects")
         if empty := [k for k in SPLITS if not c[k]]:
             ratios = "/".join(f"{float(v):g}" for v in s["ratios"].values())
             raise fail(f"split(s) {', '.join(empty)} would be empty with {c['exported']} exported records and"
                        f" ratios {ratios}: add records or raise those ratios", "export-empty-split")
-        m = build_manifest(out.name, sources, r, s)
         (tmp / "manifest.json").write_text(atomic.dumps_json(m), encoding="utf-8")
     failed.unlink(missing_ok=True)
     return m

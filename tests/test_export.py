@@ -501,7 +501,7 @@ def test_dedup_equals_sequential_semantics(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     s = exp.resolve_settings(exp.build_parser().parse_args([str(corpus), "--out", str(out)]))
-    r = exp.run_export(exp.corpus_files([str(corpus)], out), out, s)
+    r = exp.run_export("out", exp.corpus_files([str(corpus)], out), out, s)
     seen_r, seen_c, kept, dups, conflicts = {}, set(), [], 0, []
     for n, it in enumerate(items, 1):
         content = it["prompt"]
