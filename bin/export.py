@@ -82,13 +82,11 @@ def resolve_settings(args) -> dict:
         try:
             s.update(yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {})
         except (OSError, yaml.YAMLError, TypeError, ValueError) as e:
-            raise fail(f"cannot read config {args.config} as a mapping of settings: {e}",
-                       "export-bad-settings") from e
+            raise fail(f"cannot read config {args.config} as a mapping: {e}", "export-bad-settings") from e
     for key, items in (("fields", args.field), ("roles", args.role)):
         for k, sep, v in (item.partition("=") for item in items):
             if not (sep and k and v and isinstance(s[key], dict)):
-                raise fail(f"--{key[:-1]} {k}{sep}{v}: expected KEY=VALUE, e.g. --field text=body",
-                           "export-bad-settings")
+                raise fail(f"--{key[:-1]} {k}{sep}{v}: expected KEY=VALUE, e.g. text=body", "export-bad-settings")
             s[key][k] = v
     s.update({k: v for k in FLAGS if (v := getattr(args, k)) is not None})
     if isinstance(s["ratios"], str):  # --ratios 0.9,0.05,0.05
@@ -99,18 +97,18 @@ def resolve_settings(args) -> dict:
     odd = sorted(set(fields) - set(FIELDS)) if isinstance(fields, dict) else [repr(fields)]
     bad = [what for wrong, what in [
         (unknown, f"unknown key(s) {', '.join(unknown)} (known: {', '.join(DEFAULTS)})"),
-        (odd, f"unknown canonical field(s) {', '.join(odd)} (fields maps canonical names to the corpus's, "
-              f"e.g. {{text: body}}; known: {', '.join(FIELDS)})"),
+        (odd, f"unknown canonical field(s) {', '.join(odd)} (known: {', '.join(FIELDS)})"),
         (not isinstance(roles, dict) or not set(roles.values()) <= {"system", "user", "assistant"},
          "roles must map corpus roles to system|user|assistant, e.g. {human: user, gpt: assistant}"),
         *[(r[k] is None or r[k] <= 0, f"ratios.{k} must be > 0 (each split gets records)") for k in SPLITS],
         (mrr is None or not 0 <= mrr <= 1, "max_reject_ratio must be a number within 0..1"),
         (type(s["max_chars"]) is not int or s["max_chars"] <= 0, "max_chars must be a positive integer"),
-        (not isinstance(s["text_system_prompt"], str) or not str(s["text_user_prompt"]).strip(),
-         "text_system_prompt must be a string and text_user_prompt a non-empty string")] if wrong]
+        (not all(isinstance(s[k], str) for k in ("text_system_prompt", "text_user_prompt"))
+         or not s["text_user_prompt"].strip(), "text prompts must be strings, text_user_prompt not empty"),
+        (args.dataset is not None and not paths.is_safe_name(args.dataset),
+         f"DATASET {args.dataset!r} is not a safe folder name: use letters, digits, '.', '_', '-'")] if wrong]
     if bad:
-        where = f"{args.config} or the command line" if args.config else "the command line"
-        raise fail(f"{where}: {'; '.join(bad)}", "export-bad-settings")
+        raise fail(f"settings ({args.config or 'command line'}): {'; '.join(bad)}", "export-bad-settings")
     return {**s, "ratios": {k: r[k] / sum(r.values()) for k in SPLITS}, "max_reject_ratio": float(mrr)}
 
 
@@ -250,8 +248,7 @@ class Shaper:
             try:  # JSON may escape half a UTF-16 pair: such a string has no UTF-8 form
                 json.dumps(obj, ensure_ascii=False).encode()
             except UnicodeEncodeError:
-                raise Reject("non_utf8", "a string holds half a UTF-16 surrogate pair (a lone \\ud800 "
-                             "escape)") from None
+                raise Reject("non_utf8", "a lone UTF-16 surrogate escape (e.g. \\ud800): no UTF-8 form") from None
         get = obj.get
         rid, w, src = get(f["record_id"], MISSING), get(f["weight"], MISSING), get(f["source"], MISSING)
         if rid is not MISSING and not (type(rid) is int or type(rid) is str and rid and not rid.isspace()):
@@ -339,9 +336,8 @@ def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
         differ = ["corpus files"] * (have["files"] != want["files"]) + [
             k for k in DEFAULTS if have["settings"].get(k) != want["settings"].get(k)]
         raise fail(f"{paths.rel(out)} is bound to another corpus or settings ({', '.join(differ)} differ): "
-                   f"it holds {describe(m)}, dataset_sha256 {str(m.get('dataset_sha256'))[:12]}; this export "
-                   f"is of {describe({'sources': sources})}. To replace it on purpose: {fix}",
-                   "export-dataset-bound")
+                   f"it holds {describe(m)}; this export is of {describe({'sources': sources})}. To replace it "
+                   f"on purpose: {fix}", "export-dataset-bound")
     if m.get("exporter", {}).get("version") != EXPORTER_VERSION:
         return "another exporter version"
     bad = [n for n, f in m["files"].items() if not (out / n).is_file() or sha256_file(out / n) != f["sha256"]]
@@ -404,9 +400,6 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # unwinds: the temp folder goes
     t0 = time.monotonic()
     try:
-        if args.dataset is not None and not paths.is_safe_name(args.dataset):
-            raise fail(f"DATASET {args.dataset!r} is not a safe folder name: use letters, digits, '.', '_', "
-                       "'-'", "export-bad-settings")
         out, s = paths.DATASETS / args.dataset if args.dataset else Path(args.out), resolve_settings(args)
         sources = corpus_files(args.corpus, out)
         with lock_and_clean(out):
