@@ -187,32 +187,28 @@ class Shaper:
         r = s["ratios"]  # split bounds on sha256(record_id)'s first 8 bytes: exact, from Fractions
         self.bounds = [min(int(x * 2**64), 2**64 - 1).to_bytes(8, "big") for x in (r["train"], 1 - r["test"])]
 
-    def chat(self, m) -> list[tuple[str, str]]:
-        f = self.f
-        if m is None:
-            raise Reject("missing_content", f"{f['messages']} is null")
-        if type(m) is not list or not all(type(x) is dict for x in m):
-            raise Reject("bad_messages", f"{f['messages']} is not a list of objects")
-        if not m:
-            raise Reject("empty_content", f"{f['messages']} is an empty list")
-        out = []
-        for i, msg in enumerate(m):
-            role = msg.get(f["role"])
-            if type(role) is not str or role not in self.roles:
-                raise Reject("role_order", f"message {i} has role {role!r}, not system/user/assistant "
-                             "(map it with --role FROM=TO)")
-            out.append((self.roles[role], text(msg.get(f["content"]), f"message {i} {f['content']}")))
-        turns = [role for role, _ in out[int(out[0][0] == "system"):]]
-        if not turns or turns != ["user", "assistant"] * (len(turns) // 2):
-            raise Reject("role_order", f"roles {'/'.join(r for r, _ in out)}: want an optional system, then "
-                         "user and assistant in turn, ending with assistant")
-        return out
-
     def turns(self, obj: dict) -> list[tuple[str, str]]:
         """The (role, content) turns of a record, by the first shape it has (in the corpus's field names)."""
         f, get = self.f, obj.get
         if f["messages"] in obj:
-            return self.chat(obj[f["messages"]])
+            if (m := obj[f["messages"]]) is None:
+                raise Reject("missing_content", f"{f['messages']} is null")
+            if type(m) is not list or not all(type(x) is dict for x in m):
+                raise Reject("bad_messages", f"{f['messages']} is not a list of objects")
+            if not m:
+                raise Reject("empty_content", f"{f['messages']} is an empty list")
+            out = []
+            for i, msg in enumerate(m):
+                role = msg.get(f["role"])
+                if type(role) is not str or role not in self.roles:
+                    raise Reject("role_order", f"message {i} has role {role!r}, not system/user/assistant "
+                                 "(map it with --role FROM=TO)")
+                out.append((self.roles[role], text(msg.get(f["content"]), f"message {i} {f['content']}")))
+            turns = [role for role, _ in out[int(out[0][0] == "system"):]]
+            if not turns or turns != ["user", "assistant"] * (len(turns) // 2):
+                raise Reject("role_order", f"roles {'/'.join(r for r, _ in out)}: want an optional system, "
+                             "then user and assistant in turn, ending with assistant")
+            return out
         if f["prompt"] in obj:
             reply = f["completion"] if f["completion"] in obj else f["response"]
             return [("user", text(obj[f["prompt"]], f["prompt"])), ("assistant", text(get(reply), reply))]
