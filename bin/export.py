@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_settings(args) -> dict:
-    """The settings, checked; the ratios normalised exactly (Fractions: the split bounds are exact)."""
+    """The settings, checked; the ratios normalised exactly."""
     s = json.loads(json.dumps(DEFAULTS))  # a deep copy
     if args.config:
         import yaml
@@ -92,7 +92,11 @@ def resolve_settings(args) -> dict:
     if isinstance(s["ratios"], str):  # --ratios 0.9,0.05,0.05
         s["ratios"] = dict(zip(SPLITS, s["ratios"].split(","), strict=False))
     ratios = s["ratios"] if isinstance(s["ratios"], dict) and set(s["ratios"]) == set(SPLITS) else {}
-    r, mrr = {k: number(ratios.get(k)) for k in SPLITS}, number(s["max_reject_ratio"])
+    try:  # exact Fractions (so are the split bounds); PyYAML reads 1e-3 as a string
+        r, mrr = {k: Fraction(str(ratios[k])) for k in SPLITS}, Fraction(str(s["max_reject_ratio"]))
+    except (KeyError, ValueError, ZeroDivisionError):
+        raise fail(f"settings ({args.config or 'command line'}): ratios (train, valid, test) and "
+                   "max_reject_ratio must be numbers", "export-bad-settings") from None
     fields, roles, unknown = s["fields"], s["roles"], sorted(set(s) - set(DEFAULTS))
     odd = sorted(set(fields) - set(FIELDS)) if isinstance(fields, dict) else [repr(fields)]
     bad = [what for wrong, what in [
@@ -100,8 +104,8 @@ def resolve_settings(args) -> dict:
         (odd, f"unknown canonical field(s) {', '.join(odd)} (known: {', '.join(FIELDS)})"),
         (not isinstance(roles, dict) or not set(roles.values()) <= {"system", "user", "assistant"},
          "roles must map corpus roles to system|user|assistant, e.g. {human: user, gpt: assistant}"),
-        *[(r[k] is None or r[k] <= 0, f"ratios.{k} must be > 0 (each split gets records)") for k in SPLITS],
-        (mrr is None or not 0 <= mrr <= 1, "max_reject_ratio must be a number within 0..1"),
+        *[(r[k] <= 0, f"ratios.{k} must be > 0 (each split gets records)") for k in SPLITS],
+        (not 0 <= mrr <= 1, "max_reject_ratio must be within 0..1"),
         (type(s["max_chars"]) is not int or s["max_chars"] <= 0, "max_chars must be a positive integer"),
         (not all(isinstance(s[k], str) for k in ("text_system_prompt", "text_user_prompt"))
          or not s["text_user_prompt"].strip(), "text prompts must be strings, text_user_prompt not empty"),
@@ -110,14 +114,6 @@ def resolve_settings(args) -> dict:
     if bad:
         raise fail(f"settings ({args.config or 'command line'}): {'; '.join(bad)}", "export-bad-settings")
     return {**s, "ratios": {k: r[k] / sum(r.values()) for k in SPLITS}, "max_reject_ratio": float(mrr)}
-
-
-def number(v) -> Fraction | None:
-    """A number from YAML or the command line (PyYAML reads 1e-3 as a string), exactly; or None."""
-    try:
-        return None if isinstance(v, bool) else Fraction(str(v))
-    except (ValueError, ZeroDivisionError):
-        return None
 
 
 def as_json(s: dict) -> dict:
@@ -137,8 +133,7 @@ def corpus_files(patterns: list[str], out: Path) -> list[dict]:
             raise fail(f"corpus {pat!r} {why}: pass CORPUS=<files or glob>", "export-no-input")
         found.update({f.resolve(): f for f in files if f.resolve() not in found})
     if any(r.is_relative_to(out.resolve()) for r in found):
-        raise fail(f"a corpus file is inside the output folder {out}: export to another DATASET",
-                   "export-no-input")
+        raise fail(f"a corpus file is inside the output folder {out}: use another DATASET", "export-no-input")
     return [{"path": paths.rel(f), "sha256": sha256_file(f), "bytes": f.stat().st_size, "file": f}
             for f in sorted(found.values(), key=paths.rel)]
 
@@ -245,8 +240,7 @@ class Shaper:
                 json.dumps(obj, ensure_ascii=False).encode()
             except UnicodeEncodeError:
                 raise Reject("non_utf8", "a lone UTF-16 surrogate escape (e.g. \\ud800): no UTF-8 form") from None
-        get = obj.get
-        rid, w, src = get(f["record_id"], MISSING), get(f["weight"], MISSING), get(f["source"], MISSING)
+        rid, w, src = [obj.get(f[k], MISSING) for k in ("record_id", "weight", "source")]
         if rid is not MISSING and not (type(rid) is int or type(rid) is str and rid and not rid.isspace()):
             raise Reject("bad_record_id", f"record_id {rid!r} is not a non-empty string or an integer")
         if w is not MISSING and (type(w) not in (int, float) or not 0 <= w <= sys.float_info.max):
