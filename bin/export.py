@@ -17,7 +17,6 @@ import glob
 import gzip
 import json
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -139,8 +138,7 @@ def corpus_files(patterns: list[str], out: Path) -> list[dict]:
 
 
 def lines(sources: list[dict], limit: int):
-    """(file path, line number, line) of every file; a line over `limit` bytes is cut to limit + 1 and the
-    rest skipped, never held. Sets src["lines"] and src["gzip"] (told by content)."""
+    """(path, line number, line) of each file's lines (src["lines"], src["gzip"] noted); cut at limit + 1 bytes."""
     for src in sources:
         n = 0
         try:
@@ -311,11 +309,10 @@ def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
 
 # ---- a dataset is bound to its corpus and settings ----------------------------------------------
 def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
-    """Why this export runs; None when `out` is this corpus's export already; another corpus's: refused."""
+    """Why this export runs; None (said) when `out` is this export already; another corpus's: refused."""
     if not out.exists() or not any(out.iterdir()) or args.replace:
         return "replace" if out.exists() else "new"
-    fix = (f"make export CORPUS={shlex.quote(' '.join(args.corpus))} DATASET={args.dataset} REPLACE=1"
-           if args.dataset else "bin/export.py ... --replace") + ", or export to another DATASET"
+    fix = "the same command with REPLACE=1 (--replace), or another DATASET"
     try:
         m = read_manifest(out)
     except RunbookError as e:
@@ -330,8 +327,10 @@ def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
                    f"on purpose: {fix}", "export-dataset-bound")
     if m.get("exporter", {}).get("version") != EXPORTER_VERSION:
         return "another exporter version"
-    bad = [n for n, f in m["files"].items() if not (out / n).is_file() or sha256_file(out / n) != f["sha256"]]
-    return f"damaged {', '.join(bad)}" if bad else None
+    if bad := [n for n, f in m["files"].items() if not (out / n).is_file() or sha256_file(out / n) != f["sha256"]]:
+        return f"damaged {', '.join(bad)}"
+    event("export_unchanged", dataset=paths.rel(out), corpus_sha256=m["corpus_sha256"][:12],
+          dataset_sha256=m["dataset_sha256"], why="the same corpus and settings: nothing written")
 
 
 # ---- the folder: one export at a time, built aside, swapped in ----------------------------------
@@ -394,9 +393,6 @@ def main() -> int:
         sources = corpus_files(args.corpus, out)
         with lock_and_clean(out):
             if (why := why_export(out, args, sources, s)) is None:
-                m = read_manifest(out)
-                event("export_unchanged", dataset=paths.rel(out), corpus_sha256=m["corpus_sha256"][:12],
-                      dataset_sha256=m["dataset_sha256"], why="the same corpus and settings: nothing written")
                 return 0
             m = export(out, sources, s)
     except RunbookError as e:
