@@ -38,7 +38,6 @@ EXPORTER_VERSION = "2.0.0"
 SPLITS = ("train", "valid", "test")
 FIELDS = ("messages", "prompt", "completion", "response", "instruction", "input", "output", "text",
           "record_id", "weight", "source", "role", "content")
-# Every reject reason; RUNBOOK.md has a heading "reject: <reason>" with the fix of each.
 REASONS = ("blank_line", "non_utf8", "invalid_json", "not_an_object", "missing_content", "empty_content",
            "non_string_content", "bad_messages", "role_order", "bad_weight", "bad_record_id", "bad_source",
            "record_id_conflict", "too_long")
@@ -120,7 +119,6 @@ def as_json(s: dict) -> dict:
     return {**s, "ratios": {k: float(v) for k, v in s["ratios"].items()}}
 
 
-# ---- the corpus files ---------------------------------------------------------------------------
 def corpus_files(patterns: list[str], out: Path) -> list[dict]:
     """Per file (given or matched, sorted): path (repo-relative inside the repo), sha256, size, gzip'd."""
     found: dict[Path, Path] = {}
@@ -157,7 +155,6 @@ def lines(sources: list[dict], limit: int):
         src["lines"] = n
 
 
-# ---- one line -> one record ---------------------------------------------------------------------
 def text(v, what: str) -> str:
     if v is None:
         raise Reject("missing_content", f"{what} is absent or null")
@@ -294,15 +291,13 @@ def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
              exported=c["train"] + c["valid"] + c["test"])
     files = {f"{k}.jsonl": {"sha256": sha256_file(f.name), "bytes": os.path.getsize(f.name),
                             "records": c.get(k, c["rejected"])} for k, f in outs.items()}
-    bounds, settings = shaper.bounds, as_json(s)
     return {
-        "dataset": name, "derived": derived, "files": files, "settings": settings, "exporter": {
+        "dataset": name, "derived": derived, "files": files, "settings": (settings := as_json(s)), "exporter": {
             "script": "bin/export.py", "version": EXPORTER_VERSION, "script_sha256": sha256_file(__file__)},
         "counts": c, "rejects_by_reason": {k: v for k, v in by_reason.items() if v},
         "dataset_sha256": digest_of({f"{k}.jsonl": files[f"{k}.jsonl"]["sha256"] for k in SPLITS}),
-        "split": {"key": "record_id", "ratios": settings["ratios"], "train_below": bounds[0].hex(),
-                  "valid_below": bounds[1].hex(), "rule": "h = the first 16 hex digits of sha256(record_id): "
-                  "train if h < train_below, else valid if h < valid_below, else test"},
+        "split": {"key": "record_id", "ratios": settings["ratios"], "train_below": shaper.bounds[0].hex(),
+                  "valid_below": shaper.bounds[1].hex()},
         "sources": [{k: x[k] for k in ("path", "sha256", "bytes", "lines", "gzip")} for x in sources],
         "corpus_sha256": digest_of({x["path"]: x["sha256"] for x in sources})}
 
@@ -341,11 +336,9 @@ def lock_and_clean(out: Path):
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise fail(f"another export of {paths.rel(out)} is running: wait for it (`fuser "
-                   f"{paths.rel(out.parent)}/.{out.name}.lock`)", "export-locked") from None
-    name = glob.escape(out.name)  # atomic_dir's names: .NAME.<8 characters>.tmp, .NAME.old.<pid>
-    for p in sorted(p for p in [*out.parent.glob(f".{name}.????????.tmp"), *out.parent.glob(f".{name}.old.*")]
-                    if p.is_dir()):
+        raise fail(f"another export of {paths.rel(out)} is running: wait for it", "export-locked") from None
+    d, name = out.parent, glob.escape(out.name)  # atomic_dir's names: .NAME.<8 characters>.tmp, .NAME.old.<pid>
+    for p in filter(Path.is_dir, [*d.glob(f".{name}.????????.tmp"), *d.glob(f".{name}.old.*")]):
         if p.name.endswith(".tmp") or out.exists():
             shutil.rmtree(p, ignore_errors=True)
             event("export_cleanup", removed=paths.rel(p), why="left by an interrupted export")
@@ -362,9 +355,8 @@ def export(out: Path, sources: list[dict], s: dict) -> dict:
         m = run_export(out.name, sources, tmp, s)
         c, limit = m["counts"], s["max_reject_ratio"] * m["counts"]["input"]
         event("export_counts", **c)
-        ok = ["ok" if x else "MISMATCH" for x in (
-            c["input"] == c["exported"] + c["rejected"] + c["duplicates"],
-            c["exported"] == c["train"] + c["valid"] + c["test"])]
+        ok = ["ok" if c[total] == sum(c[k] for k in parts) else "MISMATCH" for total, parts in (
+            ("input", ("exported", "rejected", "duplicates")), ("exported", SPLITS))]
         print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + "
               f"duplicates {c['duplicates']} {ok[0]}; exported {c['exported']} = train {c['train']} + valid "
               f"{c['valid']} + test {c['test']} {ok[1]}", flush=True)
