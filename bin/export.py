@@ -260,15 +260,13 @@ def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
     outs = {k: open(tmp / f"{k}.jsonl", "wb") for k in (*SPLITS, "rejects")}
     rids, contents, by_reason = {}, set(), dict.fromkeys(REASONS, 0)
     c = dict.fromkeys(("input", "exported", "rejected", "duplicates", *SPLITS), 0)
-    derived = dict.fromkeys(("record_id", "weight", "source"), 0)
-    shaper = Shaper(s)
+    derived, shaper = dict.fromkeys(("record_id", "weight", "source"), 0), Shaper(s)
     try:
         for fname, n, raw in lines(sources, shaper.limit):
             try:
                 line, split, rid, content, absent = shaper.record(raw, n, fname)
                 if rids.setdefault(rid, content) != content:
-                    raise Reject("record_id_conflict", "this record_id was seen earlier with other messages; "
-                                 "give one its own")
+                    raise Reject("record_id_conflict", "this record_id was seen earlier with other messages")
             except Reject as e:
                 reason, detail = e.args
                 by_reason[reason] += 1
@@ -302,7 +300,6 @@ def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
         "corpus_sha256": digest_of({x["path"]: x["sha256"] for x in sources})}
 
 
-# ---- a dataset is bound to its corpus and settings ----------------------------------------------
 def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
     """Why this export runs; None (said) when `out` is this export already; another corpus's: refused."""
     if not out.exists() or not any(out.iterdir()) or args.replace:
@@ -328,7 +325,6 @@ def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
           dataset_sha256=m["dataset_sha256"], why="the same corpus and settings: nothing written")
 
 
-# ---- the folder: one export at a time, built aside, swapped in ----------------------------------
 def lock_and_clean(out: Path):
     """Lock `out`; remove killed exports' temp folders (or put back a dataset a killed swap moved aside)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -368,9 +364,8 @@ def export(out: Path, sources: list[dict], s: dict) -> dict:
                        f" x input; each (file, line, reason) is in {paths.rel(failed)}: fix the corpus, remap "
                        "fields (--field), or raise max_reject_ratio knowingly", "export-too-many-rejects")
         if empty := [k for k in SPLITS if not c[k]]:
-            ratios = "/".join(f"{float(v):g}" for v in s["ratios"].values())
-            raise fail(f"split(s) {', '.join(empty)} would be empty with {c['exported']} exported records and"
-                       f" ratios {ratios}: add records or raise those ratios", "export-empty-split")
+            raise fail(f"split(s) {', '.join(empty)} would be empty with {c['exported']} exported records: add "
+                       "records or raise those ratios (--ratios)", "export-empty-split")
         (tmp / "manifest.json").write_text(atomic.dumps_json(m), encoding="utf-8")
     failed.unlink(missing_ok=True)
     return m
