@@ -16,20 +16,15 @@ import fcntl
 import glob
 import gzip
 import json
-import multiprocessing
 import os
-import shlex
 import shutil
 import signal
 import sys
-import threading
 import time
 import zlib
-from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
 from fractions import Fraction
 from functools import partial
 from hashlib import sha256
-from itertools import chain
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -43,7 +38,6 @@ EXPORTER_VERSION = "2.0.0"
 SPLITS = ("train", "valid", "test")
 FIELDS = ("messages", "prompt", "completion", "response", "instruction", "input", "output", "text",
           "record_id", "weight", "source", "role", "content")
-# Every reject reason; RUNBOOK.md has a heading "reject: <reason>" with the fix of each.
 REASONS = ("blank_line", "non_utf8", "invalid_json", "not_an_object", "missing_content", "empty_content",
            "non_string_content", "bad_messages", "role_order", "bad_weight", "bad_record_id", "bad_source",
            "record_id_conflict", "too_long")
@@ -52,10 +46,9 @@ DEFAULTS = {"fields": {}, "roles": {}, "ratios": {"train": 0.9, "valid": 0.05, "
             "text_user_prompt": "Write a passage from the reference documentation."}
 FLAGS = {"ratios": str, "max_reject_ratio": float, "max_chars": int, "text_system_prompt": str,
          "text_user_prompt": str}  # the settings that have a flag of their own, e.g. --max-chars
-RAW_PREFIX, CHUNK = 500, 2000  # bytes of a rejected line kept; lines per task of a worker
+RAW_PREFIX = 500  # bytes of a rejected line kept
 MISSING = object()
 ENC = json.encoder.encode_basestring_ascii  # a string as json.dumps writes it (pure ASCII)
-SCAN = json.decoder.JSONDecoder().scan_once  # json.loads without its per-call overhead
 fail = partial(RunbookError, category=DATA)  # fail(message, anchor): the RUNBOOK heading names the fix
 
 
@@ -76,56 +69,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", action="append", default=[], metavar="FROM=TO", help="e.g. human=user")
     for key, kind in FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), type=kind, help=f"configs/export.yaml's {key}")
-    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4), help="processes (same output)")
     return p
 
 
 def resolve_settings(args) -> dict:
-    """The settings, checked; the ratios normalised exactly (Fractions: the split bounds are exact)."""
+    """The settings, checked; the ratios normalised exactly."""
     s = json.loads(json.dumps(DEFAULTS))  # a deep copy
     if args.config:
         import yaml
         try:
             s.update(yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {})
         except (OSError, yaml.YAMLError, TypeError, ValueError) as e:
-            raise fail(f"cannot read config {args.config} as a mapping of settings: {e}",
-                       "export-bad-settings") from e
+            raise fail(f"cannot read config {args.config} as a mapping: {e}", "export-bad-settings") from e
     for key, items in (("fields", args.field), ("roles", args.role)):
         for k, sep, v in (item.partition("=") for item in items):
             if not (sep and k and v and isinstance(s[key], dict)):
-                raise fail(f"--{key[:-1]} {k}{sep}{v}: expected KEY=VALUE, e.g. --field text=body",
-                           "export-bad-settings")
+                raise fail(f"--{key[:-1]} {k}{sep}{v}: expected KEY=VALUE, e.g. text=body", "export-bad-settings")
             s[key][k] = v
     s.update({k: v for k in FLAGS if (v := getattr(args, k)) is not None})
     if isinstance(s["ratios"], str):  # --ratios 0.9,0.05,0.05
         s["ratios"] = dict(zip(SPLITS, s["ratios"].split(","), strict=False))
     ratios = s["ratios"] if isinstance(s["ratios"], dict) and set(s["ratios"]) == set(SPLITS) else {}
-    r, mrr = {k: number(ratios.get(k)) for k in SPLITS}, number(s["max_reject_ratio"])
+    try:  # exact Fractions (so are the split bounds); PyYAML reads 1e-3 as a string
+        r, mrr = {k: Fraction(str(ratios[k])) for k in SPLITS}, Fraction(str(s["max_reject_ratio"]))
+    except (KeyError, ValueError, ZeroDivisionError):
+        raise fail(f"settings ({args.config or 'command line'}): ratios (train, valid, test) and "
+                   "max_reject_ratio must be numbers", "export-bad-settings") from None
     fields, roles, unknown = s["fields"], s["roles"], sorted(set(s) - set(DEFAULTS))
     odd = sorted(set(fields) - set(FIELDS)) if isinstance(fields, dict) else [repr(fields)]
     bad = [what for wrong, what in [
         (unknown, f"unknown key(s) {', '.join(unknown)} (known: {', '.join(DEFAULTS)})"),
-        (odd, f"unknown canonical field(s) {', '.join(odd)} (fields maps canonical names to the corpus's, "
-              f"e.g. {{text: body}}; known: {', '.join(FIELDS)})"),
+        (odd, f"unknown canonical field(s) {', '.join(odd)} (known: {', '.join(FIELDS)})"),
         (not isinstance(roles, dict) or not set(roles.values()) <= {"system", "user", "assistant"},
          "roles must map corpus roles to system|user|assistant, e.g. {human: user, gpt: assistant}"),
-        *[(r[k] is None or r[k] <= 0, f"ratios.{k} must be > 0 (each split gets records)") for k in SPLITS],
-        (mrr is None or not 0 <= mrr <= 1, "max_reject_ratio must be a number within 0..1"),
+        *[(r[k] <= 0, f"ratios.{k} must be > 0 (each split gets records)") for k in SPLITS],
+        (not 0 <= mrr <= 1, "max_reject_ratio must be within 0..1"),
         (type(s["max_chars"]) is not int or s["max_chars"] <= 0, "max_chars must be a positive integer"),
-        (not isinstance(s["text_system_prompt"], str) or not str(s["text_user_prompt"]).strip(),
-         "text_system_prompt must be a string and text_user_prompt a non-empty string")] if wrong]
+        (not all(isinstance(s[k], str) for k in ("text_system_prompt", "text_user_prompt"))
+         or not s["text_user_prompt"].strip(), "text prompts must be strings, text_user_prompt not empty"),
+        (args.dataset is not None and not paths.is_safe_name(args.dataset),
+         f"DATASET {args.dataset!r} is not a safe folder name: use letters, digits, '.', '_', '-'")] if wrong]
     if bad:
-        where = f"{args.config} or the command line" if args.config else "the command line"
-        raise fail(f"{where}: {'; '.join(bad)}", "export-bad-settings")
+        raise fail(f"settings ({args.config or 'command line'}): {'; '.join(bad)}", "export-bad-settings")
     return {**s, "ratios": {k: r[k] / sum(r.values()) for k in SPLITS}, "max_reject_ratio": float(mrr)}
-
-
-def number(v) -> Fraction | None:
-    """A number from YAML or the command line (PyYAML reads 1e-3 as a string), exactly; or None."""
-    try:
-        return None if isinstance(v, bool) else Fraction(str(v))
-    except (ValueError, ZeroDivisionError):
-        return None
 
 
 def as_json(s: dict) -> dict:
@@ -133,7 +119,6 @@ def as_json(s: dict) -> dict:
     return {**s, "ratios": {k: float(v) for k, v in s["ratios"].items()}}
 
 
-# ---- the corpus files ---------------------------------------------------------------------------
 def corpus_files(patterns: list[str], out: Path) -> list[dict]:
     """Per file (given or matched, sorted): path (repo-relative inside the repo), sha256, size, gzip'd."""
     found: dict[Path, Path] = {}
@@ -145,17 +130,15 @@ def corpus_files(patterns: list[str], out: Path) -> list[dict]:
             raise fail(f"corpus {pat!r} {why}: pass CORPUS=<files or glob>", "export-no-input")
         found.update({f.resolve(): f for f in files if f.resolve() not in found})
     if any(r.is_relative_to(out.resolve()) for r in found):
-        raise fail(f"a corpus file is inside the output folder {out}: export to another DATASET",
-                   "export-no-input")
+        raise fail(f"a corpus file is inside the output folder {out}: use another DATASET", "export-no-input")
     return [{"path": paths.rel(f), "sha256": sha256_file(f), "bytes": f.stat().st_size, "file": f}
             for f in sorted(found.values(), key=paths.rel)]
 
 
-def tasks(sources: list[dict], limit: int):
-    """(file path, line number before the chunk, CHUNK lines) of every file; a line over `limit` bytes is
-    cut to limit + 1 and the rest skipped, never held. Sets src["lines"] and src["gzip"] (told by content)."""
+def lines(sources: list[dict], limit: int):
+    """(path, line number, line) of each file's lines (src["lines"], src["gzip"] noted); cut at limit + 1 bytes."""
     for src in sources:
-        n, chunk = 0, []
+        n = 0
         try:
             with open(src["file"], "rb") as raw:
                 src["gzip"] = raw.peek(2)[:2] == b"\x1f\x8b"
@@ -164,19 +147,14 @@ def tasks(sources: list[dict], limit: int):
                     if line[-1:] != b"\n" and len(line) > limit:
                         while (rest := f.readline(1 << 20)) and rest[-1:] != b"\n":
                             pass
-                    chunk.append(line.removesuffix(b"\n"))
-                    if len(chunk) == CHUNK:
-                        yield src["path"], n, chunk
-                        n, chunk = n + CHUNK, []
+                    n += 1
+                    yield src["path"], n, line.removesuffix(b"\n")
         except (OSError, EOFError, zlib.error) as e:
-            raise fail(f"{src['path']}: cannot read past line {n + len(chunk)}: {e}; re-create the file "
+            raise fail(f"{src['path']}: cannot read past line {n}: {e}; re-create the file "
                        "(`gzip -t` checks a .gz)", "export-no-input") from e
-        if chunk:
-            yield src["path"], n, chunk
-        src["lines"] = n + len(chunk)
+        src["lines"] = n
 
 
-# ---- one line -> one record (in the pool's workers) -----------------------------------------------
 def text(v, what: str) -> str:
     if v is None:
         raise Reject("missing_content", f"{what} is absent or null")
@@ -199,32 +177,28 @@ class Shaper:
         r = s["ratios"]  # split bounds on sha256(record_id)'s first 8 bytes: exact, from Fractions
         self.bounds = [min(int(x * 2**64), 2**64 - 1).to_bytes(8, "big") for x in (r["train"], 1 - r["test"])]
 
-    def chat(self, m) -> list[tuple[str, str]]:
-        f = self.f
-        if m is None:
-            raise Reject("missing_content", f"{f['messages']} is null")
-        if type(m) is not list or not all(type(x) is dict for x in m):
-            raise Reject("bad_messages", f"{f['messages']} is not a list of objects")
-        if not m:
-            raise Reject("empty_content", f"{f['messages']} is an empty list")
-        out = []
-        for i, msg in enumerate(m):
-            role = msg.get(f["role"])
-            if type(role) is not str or role not in self.roles:
-                raise Reject("role_order", f"message {i} has role {role!r}, not system/user/assistant "
-                             "(map it with --role FROM=TO)")
-            out.append((self.roles[role], text(msg.get(f["content"]), f"message {i} {f['content']}")))
-        turns = [role for role, _ in out[int(out[0][0] == "system"):]]
-        if not turns or turns != ["user", "assistant"] * (len(turns) // 2):
-            raise Reject("role_order", f"roles {'/'.join(r for r, _ in out)}: want an optional system, then "
-                         "user and assistant in turn, ending with assistant")
-        return out
-
     def turns(self, obj: dict) -> list[tuple[str, str]]:
         """The (role, content) turns of a record, by the first shape it has (in the corpus's field names)."""
         f, get = self.f, obj.get
         if f["messages"] in obj:
-            return self.chat(obj[f["messages"]])
+            if (m := obj[f["messages"]]) is None:
+                raise Reject("missing_content", f"{f['messages']} is null")
+            if type(m) is not list or not all(type(x) is dict for x in m):
+                raise Reject("bad_messages", f"{f['messages']} is not a list of objects")
+            if not m:
+                raise Reject("empty_content", f"{f['messages']} is an empty list")
+            out = []
+            for i, msg in enumerate(m):
+                role = msg.get(f["role"])
+                if type(role) is not str or role not in self.roles:
+                    raise Reject("role_order", f"message {i} has role {role!r}, not system/user/assistant "
+                                 "(map it with --role FROM=TO)")
+                out.append((self.roles[role], text(msg.get(f["content"]), f"message {i} {f['content']}")))
+            turns = [role for role, _ in out[int(out[0][0] == "system"):]]
+            if not turns or turns != ["user", "assistant"] * (len(turns) // 2):
+                raise Reject("role_order", f"roles {'/'.join(r for r, _ in out)}: want an optional system, "
+                             "then user and assistant in turn, ending with assistant")
+            return out
         if f["prompt"] in obj:
             reply = f["completion"] if f["completion"] in obj else f["response"]
             return [("user", text(obj[f["prompt"]], f["prompt"])), ("assistant", text(get(reply), reply))]
@@ -245,18 +219,12 @@ class Shaper:
             raise Reject("too_long", f"line is over {self.limit} bytes (8 x max_chars + 64 KiB)")
         if not raw or raw.isspace():
             raise Reject("blank_line", "empty or whitespace-only line")
-        try:
-            line = raw.decode()
-            obj, end = SCAN(line, 0)
-            if end != len(line) and not line[end:].isspace():
-                raise ValueError
+        try:  # a byte-order mark may start a file
+            obj = json.loads((raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw).decode())
         except UnicodeDecodeError as e:  # a ValueError too
             raise Reject("non_utf8", f"byte {e.start}: {e.reason}") from None
-        except (StopIteration, ValueError):
-            try:  # json.loads for its message (and a byte-order mark that starts a file)
-                obj = json.loads(line[1:] if lineno == 1 and line[0] == "\ufeff" else line)
-            except ValueError as e:
-                raise Reject("invalid_json", str(e)) from None
+        except ValueError as e:
+            raise Reject("invalid_json", str(e)) from None
         if type(obj) is not dict:
             raise Reject("not_an_object", f"a JSON {type(obj).__name__}, not an object")
         turns, f = self.turns(obj), self.f
@@ -266,10 +234,8 @@ class Shaper:
             try:  # JSON may escape half a UTF-16 pair: such a string has no UTF-8 form
                 json.dumps(obj, ensure_ascii=False).encode()
             except UnicodeEncodeError:
-                raise Reject("non_utf8", "a string holds half a UTF-16 surrogate pair (a lone \\ud800 "
-                             "escape)") from None
-        get = obj.get
-        rid, w, src = get(f["record_id"], MISSING), get(f["weight"], MISSING), get(f["source"], MISSING)
+                raise Reject("non_utf8", "a lone UTF-16 surrogate escape (e.g. \\ud800): no UTF-8 form") from None
+        rid, w, src = [obj.get(f[k], MISSING) for k in ("record_id", "weight", "source")]
         if rid is not MISSING and not (type(rid) is int or type(rid) is str and rid and not rid.isspace()):
             raise Reject("bad_record_id", f"record_id {rid!r} is not a non-empty string or an integer")
         if w is not MISSING and (type(w) not in (int, float) or not 0 <= w <= sys.float_info.max):
@@ -287,117 +253,58 @@ class Shaper:
         split = 0 if rd[:8] < self.bounds[0] else 1 if rd[:8] < self.bounds[1] else 2
         return line.encode(), split, int.from_bytes(rd, "big"), int.from_bytes(cd, "big"), derived
 
-    def chunk(self, fname: str, base: int, lines: list[bytes]) -> list[tuple]:
-        """A pool worker's task: each line's record (a 5-tuple), or its (reason, detail)."""
-        out, record = [], self.record
-        for n, raw in enumerate(lines, base + 1):
-            try:
-                out.append(record(raw, n, fname))
-            except Reject as e:
-                out.append(e.args)
-        return out
-
-
-def init_worker(parent: int) -> None:
-    """A pool worker: signals are the exporter's; it leaves when the exporter is gone (even SIGKILLed)."""
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    threading.Thread(target=watch, daemon=True).start()
-
 
 # ---- the export: first duplicate wins, every line accounted for ---------------------------------
-def run_export(sources: list[dict], tmp: Path, s: dict, workers: int = 1) -> dict:
-    """Every line into tmp/{train,valid,test,rejects}.jsonl; returns the facts. Workers shape the chunks (2
-    each in flight); this process takes the results in input order, so `workers` changes nothing."""
+def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
+    """Every line, in input order, into tmp/{train,valid,test,rejects}.jsonl; returns the manifest."""
     outs = {k: open(tmp / f"{k}.jsonl", "wb") for k in (*SPLITS, "rejects")}
-    rids, contents, procs, pending, by_reason = {}, set(), set(), [], dict.fromkeys(REASONS, 0)
+    rids, contents, by_reason = {}, set(), dict.fromkeys(REASONS, 0)
     c = dict.fromkeys(("input", "exported", "rejected", "duplicates", *SPLITS), 0)
-    derived = dict.fromkeys(("record_id", "weight", "source"), 0)
-    shaper, workers = Shaper(s), max(workers, 1)
-    pool = ProcessPoolExecutor(workers, initializer=init_worker, initargs=(os.getpid(),))
+    derived, shaper = dict.fromkeys(("record_id", "weight", "source"), 0), Shaper(s)
     try:
-        for task in chain(tasks(sources, shaper.limit), [None]):  # None: take what is left
-            if task:
-                pending.append((task, pool.submit(shaper.chunk, *task)))
-                procs.update(multiprocessing.active_children())  # the pool starts them as work arrives
-            while len(pending) > (2 * workers if task else 0):
-                (fname, base, lines), future = pending.pop(0)
-                for n, rec in enumerate(result_of(future, procs), base + 1):
-                    if len(rec) == 5 and rids.setdefault(rec[2], rec[3]) != rec[3]:
-                        rec = ("record_id_conflict", "this record_id was seen earlier with other messages; "
-                               "give one its own")
-                    if len(rec) == 2:
-                        by_reason[rec[0]] += 1
-                        outs["rejects"].write(reject_line(fname, n, lines[n - base - 1], *rec))
-                    elif rec[3] in contents:
-                        c["duplicates"] += 1
-                    else:
-                        contents.add(rec[3])
-                        c[SPLITS[rec[1]]] += 1
-                        outs[SPLITS[rec[1]]].write(rec[0])
-                        for key in rec[4]:
-                            derived[key] += 1
-        pool.shutdown()  # all done: the workers leave before this process goes on
-    except BrokenProcessPool:
-        for p in multiprocessing.active_children():
-            p.kill()
-        raise fail("an export worker process died (killed; the out-of-memory killer?): export again, with "
-                   "fewer --workers if memory is short", "export-crashed") from None
+        for fname, n, raw in lines(sources, shaper.limit):
+            try:
+                line, split, rid, content, absent = shaper.record(raw, n, fname)
+                if rids.setdefault(rid, content) != content:
+                    raise Reject("record_id_conflict", "this record_id was seen earlier with other messages")
+            except Reject as e:
+                reason, detail = e.args
+                by_reason[reason] += 1
+                rej = {"file": fname, "line": n, "reason": reason, "detail": detail, "raw_bytes": len(raw),
+                       "raw": raw[:RAW_PREFIX].decode("utf-8", "backslashreplace"), "see": f"RUNBOOK.md#reject-{reason}"}
+                outs["rejects"].write(json.dumps(rej, ensure_ascii=False).encode(errors="backslashreplace") + b"\n")
+                continue
+            if content in contents:
+                c["duplicates"] += 1
+                continue
+            contents.add(content)
+            c[SPLITS[split]] += 1
+            outs[SPLITS[split]].write(line)
+            for key in absent:
+                derived[key] += 1
     finally:
         for f in outs.values():
             f.close()
-        pool.shutdown(wait=False, cancel_futures=True)
     c.update(input=sum(x["lines"] for x in sources), rejected=sum(by_reason.values()),
              exported=c["train"] + c["valid"] + c["test"])
     files = {f"{k}.jsonl": {"sha256": sha256_file(f.name), "bytes": os.path.getsize(f.name),
                             "records": c.get(k, c["rejected"])} for k, f in outs.items()}
-    return {"counts": c, "by_reason": by_reason, "derived": derived, "files": files}
-
-
-def result_of(future, procs: set) -> list:
-    """The chunk's records. A worker killed while it sends its result leaves half a message in the pipe,
-    and ProcessPoolExecutor then waits for the rest for ever (CPython 3.11): so look at the workers."""
-    while True:
-        try:
-            return future.result(timeout=1)
-        except TimeoutError:
-            if any(p.exitcode is not None for p in procs):
-                raise BrokenProcessPool from None
-
-
-def reject_line(fname: str, n: int, raw: bytes, reason: str, detail: str) -> bytes:
-    line = json.dumps({"file": fname, "line": n, "reason": reason, "detail": detail, "raw_bytes": len(raw),
-                       "raw": raw[:RAW_PREFIX].decode("utf-8", "backslashreplace"),
-                       "see": f"RUNBOOK.md#reject-{reason}"}, ensure_ascii=False)
-    return (line + "\n").encode(errors="backslashreplace")
-
-
-def build_manifest(name: str, sources: list[dict], r: dict, s: dict) -> dict:
-    bounds, settings = Shaper(s).bounds, as_json(s)
     return {
-        "dataset": name, "derived": r["derived"], "files": r["files"], "settings": settings, "exporter": {
+        "dataset": name, "derived": derived, "files": files, "settings": (settings := as_json(s)), "exporter": {
             "script": "bin/export.py", "version": EXPORTER_VERSION, "script_sha256": sha256_file(__file__)},
-        "counts": r["counts"], "rejects_by_reason": {k: v for k, v in r["by_reason"].items() if v},
-        "dataset_sha256": digest_of({f"{k}.jsonl": r["files"][f"{k}.jsonl"]["sha256"] for k in SPLITS}),
-        "split": {"key": "record_id", "ratios": settings["ratios"], "train_below": bounds[0].hex(),
-                  "valid_below": bounds[1].hex(), "rule": "h = the first 16 hex digits of sha256(record_id): "
-                  "train if h < train_below, else valid if h < valid_below, else test"},
+        "counts": c, "rejects_by_reason": {k: v for k, v in by_reason.items() if v},
+        "dataset_sha256": digest_of({f"{k}.jsonl": files[f"{k}.jsonl"]["sha256"] for k in SPLITS}),
+        "split": {"key": "record_id", "ratios": settings["ratios"], "train_below": shaper.bounds[0].hex(),
+                  "valid_below": shaper.bounds[1].hex()},
         "sources": [{k: x[k] for k in ("path", "sha256", "bytes", "lines", "gzip")} for x in sources],
         "corpus_sha256": digest_of({x["path"]: x["sha256"] for x in sources})}
 
 
-# ---- a dataset is bound to its corpus and settings ----------------------------------------------
 def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
-    """Why this export runs; None when `out` is this corpus's export already; another corpus's: refused."""
+    """Why this export runs; None (said) when `out` is this export already; another corpus's: refused."""
     if not out.exists() or not any(out.iterdir()) or args.replace:
         return "replace" if out.exists() else "new"
-    fix = (f"make export CORPUS={shlex.quote(' '.join(args.corpus))} DATASET={args.dataset} REPLACE=1"
-           if args.dataset else "bin/export.py ... --replace") + ", or export to another DATASET"
+    fix = "the same command with REPLACE=1 (--replace), or another DATASET"
     try:
         m = read_manifest(out)
     except RunbookError as e:
@@ -408,16 +315,16 @@ def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
         differ = ["corpus files"] * (have["files"] != want["files"]) + [
             k for k in DEFAULTS if have["settings"].get(k) != want["settings"].get(k)]
         raise fail(f"{paths.rel(out)} is bound to another corpus or settings ({', '.join(differ)} differ): "
-                   f"it holds {describe(m)}, dataset_sha256 {str(m.get('dataset_sha256'))[:12]}; this export "
-                   f"is of {describe({'sources': sources})}. To replace it on purpose: {fix}",
-                   "export-dataset-bound")
+                   f"it holds {describe(m)}; this export is of {describe({'sources': sources})}. To replace it "
+                   f"on purpose: {fix}", "export-dataset-bound")
     if m.get("exporter", {}).get("version") != EXPORTER_VERSION:
         return "another exporter version"
-    bad = [n for n, f in m["files"].items() if not (out / n).is_file() or sha256_file(out / n) != f["sha256"]]
-    return f"damaged {', '.join(bad)}" if bad else None
+    if bad := [n for n, f in m["files"].items() if not (out / n).is_file() or sha256_file(out / n) != f["sha256"]]:
+        return f"damaged {', '.join(bad)}"
+    event("export_unchanged", dataset=paths.rel(out), corpus_sha256=m["corpus_sha256"][:12],
+          dataset_sha256=m["dataset_sha256"], why="the same corpus and settings: nothing written")
 
 
-# ---- the folder: one export at a time, built aside, swapped in ----------------------------------
 def lock_and_clean(out: Path):
     """Lock `out`; remove killed exports' temp folders (or put back a dataset a killed swap moved aside)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -425,11 +332,9 @@ def lock_and_clean(out: Path):
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise fail(f"another export of {paths.rel(out)} is running: wait for it (`fuser "
-                   f"{paths.rel(out.parent)}/.{out.name}.lock`)", "export-locked") from None
-    name = glob.escape(out.name)  # atomic_dir's names: .NAME.<8 characters>.tmp, .NAME.old.<pid>
-    for p in sorted(p for p in [*out.parent.glob(f".{name}.????????.tmp"), *out.parent.glob(f".{name}.old.*")]
-                    if p.is_dir()):
+        raise fail(f"another export of {paths.rel(out)} is running: wait for it", "export-locked") from None
+    d, name = out.parent, glob.escape(out.name)  # atomic_dir's names: .NAME.<8 characters>.tmp, .NAME.old.<pid>
+    for p in filter(Path.is_dir, [*d.glob(f".{name}.????????.tmp"), *d.glob(f".{name}.old.*")]):
         if p.name.endswith(".tmp") or out.exists():
             shutil.rmtree(p, ignore_errors=True)
             event("export_cleanup", removed=paths.rel(p), why="left by an interrupted export")
@@ -439,36 +344,28 @@ def lock_and_clean(out: Path):
     return lock
 
 
-def export(out: Path, sources: list[dict], s: dict, workers: int) -> dict:
+def export(out: Path, sources: list[dict], s: dict) -> dict:
     """Export into a temp folder beside `out`, report, and swap it in (or fail, `out` as it was)."""
     failed = out.parent / f"{out.name}.failed-rejects.jsonl"
     with atomic.atomic_dir(out) as tmp:
-        r = run_export(sources, tmp, s, workers)
-        c, limit = r["counts"], s["max_reject_ratio"] * r["counts"]["input"]
-        if c["input"] == 0:
-            raise fail(f"the corpus has no lines ({', '.join(x['path'] for x in sources)}): pass the right "
-                       "CORPUS", "export-no-input")
+        m = run_export(out.name, sources, tmp, s)
+        c, limit = m["counts"], s["max_reject_ratio"] * m["counts"]["input"]
         event("export_counts", **c)
-        ok = ["ok" if x else "MISMATCH" for x in (
-            c["input"] == c["exported"] + c["rejected"] + c["duplicates"],
-            c["exported"] == c["train"] + c["valid"] + c["test"])]
+        ok = ["ok" if c[total] == sum(c[k] for k in parts) else "MISMATCH" for total, parts in (
+            ("input", ("exported", "rejected", "duplicates")), ("exported", SPLITS))]
         print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + "
               f"duplicates {c['duplicates']} {ok[0]}; exported {c['exported']} = train {c['train']} + valid "
               f"{c['valid']} + test {c['test']} {ok[1]}", flush=True)
-        print(f"export_rejects {' '.join(f'{k} {v}' for k, v in r['by_reason'].items() if v) or 'none'}",
-              flush=True)
-        event("export_derived", **r["derived"])
+        event("export_rejects", **m["rejects_by_reason"], total=c["rejected"])
+        event("export_derived", **m["derived"])
         if c["rejected"] > limit:
             os.replace(tmp / "rejects.jsonl", failed)
-            raise fail(f"{c['rejected']} of {c['input']} lines rejected, over the threshold "
-                       f"{s['max_reject_ratio']:g} x input = {limit:g}; every rejected line (file, line, "
-                       f"reason) is in {paths.rel(failed)}: fix the corpus, remap fields (--field), or raise "
-                       "max_reject_ratio knowingly", "export-too-many-rejects")
+            raise fail(f"{c['rejected']} of {c['input']} lines rejected, over the threshold {s['max_reject_ratio']:g}"
+                       f" x input; each (file, line, reason) is in {paths.rel(failed)}: fix the corpus, remap "
+                       "fields (--field), or raise max_reject_ratio knowingly", "export-too-many-rejects")
         if empty := [k for k in SPLITS if not c[k]]:
-            ratios = "/".join(f"{float(v):g}" for v in s["ratios"].values())
-            raise fail(f"split(s) {', '.join(empty)} would be empty with {c['exported']} exported records and"
-                       f" ratios {ratios}: add records or raise those ratios", "export-empty-split")
-        m = build_manifest(out.name, sources, r, s)
+            raise fail(f"split(s) {', '.join(empty)} would be empty with {c['exported']} exported records: add "
+                       "records or raise those ratios (--ratios)", "export-empty-split")
         (tmp / "manifest.json").write_text(atomic.dumps_json(m), encoding="utf-8")
     failed.unlink(missing_ok=True)
     return m
@@ -479,18 +376,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # unwinds: the temp folder goes
     t0 = time.monotonic()
     try:
-        if args.dataset is not None and not paths.is_safe_name(args.dataset):
-            raise fail(f"DATASET {args.dataset!r} is not a safe folder name: use letters, digits, '.', '_', "
-                       "'-'", "export-bad-settings")
         out, s = paths.DATASETS / args.dataset if args.dataset else Path(args.out), resolve_settings(args)
         sources = corpus_files(args.corpus, out)
         with lock_and_clean(out):
             if (why := why_export(out, args, sources, s)) is None:
-                m = read_manifest(out)
-                event("export_unchanged", dataset=paths.rel(out), corpus_sha256=m["corpus_sha256"][:12],
-                      dataset_sha256=m["dataset_sha256"], why="the same corpus and settings: nothing written")
                 return 0
-            m = export(out, sources, s, args.workers)
+            m = export(out, sources, s)
     except RunbookError as e:
         return die(e)
     except KeyboardInterrupt:
@@ -501,12 +392,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit as e:  # from SIGTERM's handler, once the temp folder is gone
-        code = e.code if isinstance(e.code, int) else 1
-    # Not sys.exit: after a worker died mid-send (SIGKILL, or SIGTERM to the process group) the pool's own
-    # thread waits for ever on the half-sent result (see result_of), and a normal exit would join it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())

@@ -2,8 +2,8 @@
 
 Covers every reject reason, the accounting identity, the input shapes and the text-to-chat
 rule, remaps, gzip and globs, derived record ids, stable splits under additions, first-wins
-dedup, determinism (also across --workers and argument order), atomicity (threshold failure,
-empty split, SIGTERM and SIGKILL mid-export, a killed worker), a dataset bound to its corpus
+dedup, determinism (also across argument order and globs), atomicity (threshold failure,
+empty split, SIGTERM and SIGKILL mid-export), a dataset bound to its corpus
 and settings (refused, replaced on purpose, a no-op when the same), and mlx-lm reading and
 training on the output unchanged.
 """
@@ -20,7 +20,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -37,7 +36,6 @@ SPLIT_FILES = ("train.jsonl", "valid.jsonl", "test.jsonl")
 def load_module(name: str, path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # pool workers find its functions by name
     spec.loader.exec_module(mod)
     return mod
 
@@ -67,9 +65,9 @@ def write(path: Path, items, compress: bool = False) -> Path:
     return path
 
 
-def export(*corpus, out: Path, args=(), check=True, workers=1, replace=False):
-    return run([PY, "bin/export.py", *map(str, corpus), "--out", str(out), "--workers", str(workers),
-                *(["--replace"] if replace else []), *map(str, args)], check=check)
+def export(*corpus, out: Path, args=(), check=True, replace=False):
+    return run([PY, "bin/export.py", *map(str, corpus), "--out", str(out), *(["--replace"] if replace else []),
+                *map(str, args)], check=check)
 
 
 def records(out: Path, split: str | None = None) -> list[dict]:
@@ -343,7 +341,7 @@ def test_sigterm_mid_export_removes_the_temp_folder(tmp_path, big_corpus):
     out = tmp_path / "ds"
     export(write(tmp_path / "good.jsonl", GOOD), out=out)
     before = tree_bytes(out)
-    proc = start_export(big_corpus, out, workers=2)
+    proc = start_export(big_corpus, out)
     wait_for_partial_output(out, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) != 0
@@ -359,10 +357,8 @@ def test_sigkill_mid_export_leaves_the_old_dataset_loadable(tmp_path, big_corpus
     out = tmp_path / "ds"
     export(write(tmp_path / "good.jsonl", GOOD), out=out)
     before = tree_bytes(out)
-    proc = start_export(big_corpus, out, workers=2)
+    proc = start_export(big_corpus, out)
     wait_for_partial_output(out, proc)
-    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                              text=True).stdout.split()
     proc.kill()
     proc.wait(timeout=30)
     assert tree_bytes(out) == before
@@ -371,13 +367,6 @@ def test_sigkill_mid_export_leaves_the_old_dataset_loadable(tmp_path, big_corpus
     assert len(train) + len(valid) + len(test) == len(GOOD)
     tokens, _ = train.process(train[0])
     assert len(tokens) > 5
-    # the workers see the exporter gone (their parent changes), and leave
-    deadline = time.monotonic() + 15
-    while any(Path(f"/proc/{c}").exists() for c in children) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    alive = [c for c in children if Path(f"/proc/{c}").exists()
-             and "zombie" not in Path(f"/proc/{c}/status").read_text().lower()]
-    assert not alive, f"worker processes outlived the killed exporter: {alive}"
     # the next export clears what the killed one left behind
     stale = [x for x in tmp_path.iterdir() if x.name.startswith(".ds.") and x.name.endswith(".tmp")]
     assert stale
@@ -394,9 +383,8 @@ def big_corpus(tmp_path_factory) -> Path:
     return path
 
 
-def start_export(corpus: Path, out: Path, workers: int = 1) -> subprocess.Popen:
-    return subprocess.Popen([PY, "bin/export.py", str(corpus), "--out", str(out), "--replace",
-                             "--workers", str(workers)], cwd=ROOT,
+def start_export(corpus: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([PY, "bin/export.py", str(corpus), "--out", str(out), "--replace"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -454,16 +442,16 @@ def test_duplicates_are_kept_once_first_in_sorted_file_order(tmp_path):
     assert len(contents) == len(set(contents))  # never in two splits
 
 
-def test_two_exports_are_byte_identical_across_workers_and_argument_order(tmp_path):
+def test_two_exports_are_byte_identical_across_argument_order_and_globs(tmp_path):
     items = [x for x in GOOD] + [{"text": f"derived {i}"} for i in range(50)] + ["bad"]
     items += [good(3)]  # a duplicate
     a = write(tmp_path / "in" / "a.jsonl", items[:120])
     b = write(tmp_path / "in" / "b.jsonl", items[120:])
     args = ["--max-reject-ratio", "0.01"]
     outs = [tmp_path / "x" / "ds", tmp_path / "y" / "ds", tmp_path / "z" / "ds"]
-    export(a, b, out=outs[0], args=args, workers=1)
-    export(b, a, out=outs[1], args=args, workers=2)
-    export(str(tmp_path / "in" / "*.jsonl"), out=outs[2], args=args, workers=3)
+    export(a, b, out=outs[0], args=args)
+    export(b, a, out=outs[1], args=args)
+    export(str(tmp_path / "in" / "*.jsonl"), out=outs[2], args=args)
     first = tree_bytes(outs[0])
     assert set(first) == {"train.jsonl", "valid.jsonl", "test.jsonl", "manifest.json", "rejects.jsonl"}
     for o in outs[1:]:
@@ -504,18 +492,16 @@ def test_corrupt_gzip_names_the_file(tmp_path):
     assert not (tmp_path / "ds").exists()
 
 
-# ---- dedup and conflicts equal a plain sequential reading, also across chunks and workers ----------
-@pytest.mark.parametrize("workers", [1, 2])
-def test_dedup_equals_sequential_semantics(tmp_path, monkeypatch, workers):
-    """Many small chunks (results taken in input order), heavy record_id and content reuse."""
-    monkeypatch.setattr(exp, "CHUNK", 7)
+# ---- dedup and conflicts equal a plain sequential reading ----------------------------------------
+def test_dedup_equals_sequential_semantics(tmp_path):
+    """Heavy record_id and content reuse: the first of each wins."""
     rng = random.Random(7)
     items = [good(rng.randrange(60), prompt=f"q{rng.randrange(40)}", response="a") for _ in range(900)]
     corpus = write(tmp_path / "c.jsonl", items)
     out = tmp_path / "out"
     out.mkdir()
     s = exp.resolve_settings(exp.build_parser().parse_args([str(corpus), "--out", str(out)]))
-    r = exp.run_export(exp.corpus_files([str(corpus)], out), out, s, workers=workers)
+    r = exp.run_export("out", exp.corpus_files([str(corpus)], out), out, s)
     seen_r, seen_c, kept, dups, conflicts = {}, set(), [], 0, []
     for n, it in enumerate(items, 1):
         content = it["prompt"]
@@ -681,24 +667,6 @@ def test_every_anchor_the_exporter_names_is_a_runbook_heading():
     assert len(named) > len(exp.REASONS) + 3
     assert named - slugs == set()
     assert "export" in slugs
-
-
-def test_a_worker_killed_mid_export_fails_it_cleanly(tmp_path, big_corpus):
-    out = tmp_path / "ds"
-    export(write(tmp_path / "good.jsonl", GOOD), out=out)
-    before = tree_bytes(out)
-    proc = subprocess.Popen([PY, "bin/export.py", str(big_corpus), "--out", str(out), "--replace", "--workers", "2"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_partial_output(out, proc)
-    me = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
-    workers = [c for c in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-               if Path(f"/proc/{c}/cmdline").read_bytes() == me]  # forked pool workers share its command line
-    os.kill(int(workers[0]), signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and "an export worker process died" in err, err
-    assert err.rstrip().endswith("see RUNBOOK.md#export-crashed")
-    assert tree_bytes(out) == before
-    assert not [x for x in tmp_path.iterdir() if x.name.startswith(".ds.") and x.is_dir()]
 
 
 def test_nothing_in_export_branches_on_the_platform():
