@@ -16,8 +16,8 @@ import functools
 import os
 import platform
 import re
-import secrets
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +41,7 @@ SYSTEM_PREFIXES = {"/usr", "/usr/local", "/opt/homebrew", "/opt/local", "/opt/ho
 FACTS = "import platform as p, sys; print('%d.%d' % sys.version_info[:2], sys.platform, p.machine())"
 TAG = f"{XY} {sys.platform} {platform.machine()}"
 # Constant scripts, values only as positional arguments; "@@ " lines are facts, the rest is shown.
-# FIND_SH $1 = X.Y, $2 = base python, $3 = venv, $4 = self-marker, $5 = FACTS: "@@ self", or an X.Y and its tag.
+# FIND_SH $1 = X.Y, $2 = base python, $3 = venv, $4 = self-marker, $5 = FACTS: "@@ self", or base and tag.
 FIND_SH = r"""
 want=$1; base=$2; venv=$3; marker=$4; seen=""
 if [ -n "$marker" ] && [ -e "$venv/$marker" ]; then echo "@@ self"; exit 0; fi
@@ -74,13 +74,12 @@ start=$(date +%s)
 "$vpy" -m pip check </dev/null || { echo "@@ error pip-check"; exit 28; }
 echo "@@ installed $(( $(date +%s) - start ))"
 """
-FIXES = {"no-python": "install Python {want} there (macOS: brew install python@{want}; Debian/Ubuntu: apt-get"
-                       " install python{want}-venv), or name it: BASE_PYTHON=/path/to/python{want}",
+FIXES = {"no-python": "install Python {0} there (macOS: brew install python@{0}; Debian/Ubuntu: apt-get"
+                       " install python{0}-venv), or name it: BASE_PYTHON=/path/to/python{0}",
          "not-a-venv": "PYTHON's folder exists but is not a venv: move it away or point PYTHON elsewhere",
-         "venv-failed": "the host's Python cannot create a venv (Debian: apt-get install python{want}-venv)",
+         "venv-failed": "the host's Python cannot create a venv (Debian: apt-get install python{0}-venv)",
          "pip-install": "pip could not install the lock: no index access, and not this machine's platform",
-         "pip-check": "installed packages conflict: re-run with RECREATE=1",
-         "cannot-create": "the venv's parent folder cannot be created: check permissions on the host"}
+         "pip-check": "installed packages conflict: re-run with RECREATE=1"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,8 +97,8 @@ def venv_of(python: str) -> str:
     venv = os.path.normpath(str(Path(check_path(python, "PYTHON")).parent.parent))
     if (Path(python).parent.name != "bin" or not re.match(r"^python(3(\.\d+)?)?$", Path(python).name)
             or venv in SYSTEM_PREFIXES or venv.count("/") < 2):
-        raise RunbookError(f"PYTHON {python} is not a venv interpreter (<venv>/bin/python outside a system "
-                           "prefix), which provision creates: e.g. $(REMOTE_ROOT)/.venv/bin/python", "provision")
+        raise RunbookError(f"PYTHON {python} is not a venv interpreter (<venv>/bin/python, not in a system "
+                           "folder), which provision creates: $(REMOTE_ROOT)/.venv/bin/python", "provision")
     return venv
 
 
@@ -154,10 +153,9 @@ def provision_host(host: str, args, venv: str, lock: str, marker: str) -> bool:
     if rc == 0 and "base" in facts:
         rc, facts = run_sh(host, PROVISION_SH, [args.python_version, venv, facts["base"],
                                                 "1" if args.recreate else "0", wheels], lock, TIMEOUT)
-    err, wall = facts.get("error") or "", round(time.monotonic() - t0, 1)
-    fix = FIXES.get(err.split(" ", 1)[0], "see the lines above").format(want=args.python_version)
-    why = (f"timed out after {TIMEOUT} s" if rc == -9 else "ssh failed (make check-parity names the cause "
-           "and its fix)" if rc == 255 and not err else f"{err or f'exit {rc}'}; fix: {fix}")
+    err, wall = facts.get("error") or f"exit {rc}", round(time.monotonic() - t0, 1)
+    fix = FIXES.get(err.split(" ", 1)[0], "see the lines above; exit 255: make check-parity names the cause")
+    why = f"timed out after {TIMEOUT} s" if rc == -9 else f"{err}; fix: {fix.format(args.python_version)}"
     with PRINT:  # one host's outcome at a time
         if rc == 0:
             event("provision", host=host, status="ok", venv=facts.get("venv", "?"), base=facts.get("base"),
@@ -180,15 +178,11 @@ def main() -> int:
     event("provision-start", hosts=len(hosts), venv=venv, python=args.python_version,
           lock=sha256_file(LOCK)[:12])
     # A marker file in this machine's own venv: a host that sees it (127.0.0.1, a shared disk) is skipped.
-    mine = Path(sys.prefix) / f".provision-self-{os.getpid()}-{secrets.token_hex(8)}"
-    marker = mine.name if os.path.realpath(venv) == os.path.realpath(sys.prefix) else ""
-    try:
-        if marker:
-            mine.write_text("provision: this machine's own venv\n")
+    own = os.path.realpath(venv) == os.path.realpath(sys.prefix)
+    with tempfile.NamedTemporaryFile(dir=sys.prefix if own else None, prefix=".provision-self-") as mine:
+        marker = Path(mine.name).name if own else ""
         with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
             ok = all(list(pool.map(lambda h: provision_host(h, args, venv, lock, marker), hosts)))
-    finally:
-        mine.unlink(missing_ok=True)
     event("provision-summary", hosts=len(hosts), ok=ok, wall_s=round(time.monotonic() - t0, 1))
     return 0 if ok else 1
 

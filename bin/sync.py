@@ -47,22 +47,21 @@ CHANGE_RE = re.compile(r"^(?!\.d)[<>ch.*][fdLDS*]")  # --itemize-changes lines b
 # (openrsync to 3.x skips subfolders), --max-delete (2.6.9: 0 = no limit, over it only warns).
 
 # The probe (and the check after a transfer): $1 root; $2 rw (create root/datasets, remove a killed sync's
-# staging copy of $3) or ro; $3 the dataset folder to list (or -); then files to hash (as ./path) and, with a
-# leading +, files only to look for. It lists the code folders' files too.
+# staging copy of $3) or ro; $3 the dataset whose files to list (or -); then files to hash (as ./path) and,
+# with a leading +, files only to look for. It lists the code folders' files too.
 PROBE_SH = r"""
-root=$1; mode=$2; list=$3; shift 3
+root=$1; mode=$2; name=$3; d=$1/datasets; shift 3
 case "$root" in "$HOME"|"${HOME%/}") echo HOMEROOT; exit 0;; esac
-if [ "$mode" = rw ]; then mkdir -p -- "$root/datasets" || exit 3; fi
+if [ "$mode" = rw ]; then mkdir -p -- "$d" && rm -rf -- "$d/.$name.incoming" || exit 3; fi
 cd "$root" 2>/dev/null || exit 0  # ro, and no REMOTE_ROOT yet: nothing there
 for h in "openssl dgst -sha256 -r" sha256sum "shasum -a 256" ""; do  # the first tool proven on empty input
   case $($h </dev/null 2>/dev/null) in
     e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855*) break;; esac
 done
 if [ -z "$h" ]; then echo "no working sha256 tool (openssl, sha256sum or shasum) on this host" >&2; exit 3; fi
-[ -d "$list" ] && ls -A -- "$list" | sed 's/^/LIVE /'
+[ -d "datasets/$name" ] && ls -A -- "datasets/$name" | sed 's/^/LIVE /'
 find bin lib configs \( -name '.*' -o -name __pycache__ -o -name '*.pyc' \) -prune -o ! -type d -print \
   2>/dev/null | sed 's/^/CODE /'
-if [ "$mode" = rw ] && [ "$list" != - ]; then rm -rf -- "${list%/*}/.${list##*/}.incoming"; fi
 for f; do
   shift; g=${f#+}
   if [ "$g" != "$f" ]; then [ -f "$g" ] && echo "EXISTS $g"
@@ -111,10 +110,11 @@ def load_plan(args) -> dict:
                            "letters, digits and _./+- may be in it: RSYNC_PATH=/usr/bin/rsync", "sync-rsync")
     if args.run:
         paths.check_run_id(args.run)
-    hosts, d, model, mrel = hostfile.load(args.hostfile).unique_ssh(), f"datasets/{args.dataset}", args.model, None
+    hosts, d, model = hostfile.load(args.hostfile).unique_ssh(), f"datasets/{args.dataset}", args.model
     expected = {f"{d}/{f}": m["sha256"] for f, m in sorted(read_manifest(paths.ROOT / d)["files"].items())}
     expected[f"{d}/manifest.json"] = sha256_file(paths.ROOT / d / "manifest.json")
-    if model and (paths.ROOT / model).exists():  # the model's path in the repo; a hub id: the hosts resolve it
+    mrel = None  # the model's path in the repo; None for a hub id (the hosts resolve it)
+    if model and (paths.ROOT / model).exists():
         mrel = os.path.relpath(os.path.normpath(paths.ROOT / model), paths.ROOT)  # models/x may be a link
         if mrel.split("/")[0] == "..":
             raise RunbookError(f"MODEL {model} is outside the repo, so it would land outside REMOTE_ROOT; "
@@ -127,7 +127,7 @@ def load_plan(args) -> dict:
 
 
 def probe(host: str, root: str, args: list[str]) -> dict:
-    """Run PROBE_SH (args: mode, dataset folder, files...): {hash: {path: sha256}, live, code, exists}."""
+    """Run PROBE_SH (args: mode, dataset, files...): {hash: {path: sha256}, live, code, exists}."""
     r = run_on(host, ["sh", "-c", PROBE_SH, "sh", root, *args], timeout=LONG_TIMEOUT)
     if not r.ok:
         raise RunbookError(f"{host}: probe failed (exit {r.returncode}): {r.stderr.strip()[:400]}",
@@ -136,10 +136,9 @@ def probe(host: str, root: str, args: list[str]) -> dict:
     if "HOMEROOT" in lines:
         raise RunbookError(f"{host}: REMOTE_ROOT {root} is that host's home directory itself; "
                            "use a folder inside it", "sync-refused")
-    return {"hash": {m.group(2): m.group(1) for m in map(HASH_LINE_RE.match, lines) if m},
-            "live": {ln[5:] for ln in lines if ln.startswith("LIVE ")},
-            "code": {ln[5:] for ln in lines if ln.startswith("CODE ")},
-            "exists": {ln[7:] for ln in lines if ln.startswith("EXISTS ")}}
+    tags = {t.lower(): {ln[len(t) + 1:] for ln in lines if ln.startswith(f"{t} ")}
+            for t in ("LIVE", "CODE", "EXISTS")}
+    return dict(tags, hash={m.group(2): m.group(1) for m in map(HASH_LINE_RE.match, lines) if m})
 
 
 def bytes_sent(stats: str) -> int | None:
@@ -170,14 +169,13 @@ def sync_host(host: str, args, plan: dict) -> dict:
                     wall_s=round(time.monotonic() - t0, 3))
 
     # 1. probe (it creates REMOTE_ROOT/datasets, except on a dry run)
-    before = probe(host, root, ["ro" if args.dry_run else "rw", f"datasets/{name}", *plan["code"],
+    before = probe(host, root, ["ro" if args.dry_run else "rw", name, *plan["code"],
                                *plan["expected"], *(f"+{f}" for f in plan["model_files"])])
     rec["before"] = diff = {"code": [f for f, h in plan["code"].items() if before["hash"].get(f) != h],
                             "dataset": [f for f, h in plan["expected"].items() if before["hash"].get(f) != h],
                             "extra": sorted(before["live"] - {f.rsplit("/", 1)[1] for f in plan["expected"]}),
-                            "code_extra": sorted(before["code"] - set(plan["code"])),
-                            "model_missing": [f for f in plan["model_files"] if f not in before["exists"]]}
-    diff["model"] = bool(mrel) and (args.sync_model or bool(diff["model_missing"]))
+                            "code_extra": sorted(before["code"] - set(plan["code"]))}
+    diff["model"] = bool(mrel) and (args.sync_model or not before["exists"] >= set(plan["model_files"]))
     gone = [*(f"datasets/{name}/{f}" for f in diff["extra"]), *diff["code_extra"]]
     if len(gone) > args.max_delete:
         raise RunbookError(f"{host}: {len(gone)} files that are not in its manifest or this checkout would "
@@ -193,7 +191,8 @@ def sync_host(host: str, args, plan: dict) -> dict:
         # The manifest's files into a fresh staging folder (dry run: the live one), unchanged ones
         # hard-linked; --checksum when a same-sized damaged file could pass rsync's quick check.
         only = [f"--include=/{f.rsplit('/', 1)[1]}" for f in plan["expected"]] + ["--exclude=*"]
-        into, link = (name, []) if args.dry_run else (f".{name}.incoming", [f"--link-dest={root}/datasets/{name}"])
+        into = name if args.dry_run else f".{name}.incoming"
+        link = [] if args.dry_run else [f"--link-dest={root}/datasets/{name}"]
         check = ["--checksum"] if args.dry_run or set(diff["dataset"]) & set(before["hash"]) else []
         jobs["dataset"] = [*check, *link, *only, f"datasets/{name}/", f"{dest}/datasets/{into}/"]
     if diff["model"]:

@@ -242,7 +242,7 @@ def test_probe_and_swap_scripts_as_a_host_runs_them(tmp_path, shell):
     (root / "configs" / "my run.yaml").write_text("a\n")
     (root / "datasets" / "d").mkdir(parents=True)
     (root / "datasets" / "d" / "train.jsonl").write_text("old\n")
-    p = subprocess.run([*shell.split(), "-c", mod.PROBE_SH, "sh", str(root), "ro", "datasets/d",
+    p = subprocess.run([*shell.split(), "-c", mod.PROBE_SH, "sh", str(root), "ro", "d",
                         "configs/my run.yaml", "configs/gone.yaml", "+datasets/d/train.jsonl", "+models/x"],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
