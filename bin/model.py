@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, paths  # noqa: E402
 from lib.hashing import tree_hashes  # noqa: E402
+from lib.launch import read_json  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 
 ANCHOR, GROUP_SIZE = "model", 64
@@ -67,12 +68,10 @@ def describe(repo: str, commit: str, quant: dict | None) -> str:
 
 def already_there(out: Path, repo: str, commit: str, quant: dict | None) -> bool:
     """True when out (which exists) holds exactly this model; a RunbookError if it holds anything else."""
-    try:
-        prov = json.loads((out / "provenance.json").read_text(encoding="utf-8"))
-        have, files = (prov["repo"], prov["commit"], prov["quantization"]), prov["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise RunbookError(f"{out} exists but has no provenance.json from bin/model.py "
-                           f"({type(e).__name__}: {e}); {REPLACE}", ANCHOR) from e
+    prov = read_json(out / "provenance.json")  # {} when missing or unreadable
+    have, files = (prov.get("repo"), prov.get("commit"), prov.get("quantization")), prov.get("files")
+    if not isinstance(files, dict) or None in have[:2]:
+        raise RunbookError(f"{out} exists but has no provenance.json from bin/model.py; {REPLACE}", ANCHOR)
     if have != (repo, commit, quant):
         raise RunbookError(f"{out} holds {describe(*have)}, not {describe(repo, commit, quant)}; {REPLACE}",
                            ANCHOR)

@@ -131,15 +131,10 @@ def run_sh(host: str, script: str, argv: list[str], stdin_text: str, timeout: fl
     return -9 if r.timed_out else r.returncode, facts
 
 
-def provision_host(host: str, args, venv: str, lock: str, marker: str) -> bool:
+def provision_host(host: str, args, venv: str, marker: str) -> bool:
     """One host: find Python X.Y, ship wheels, build or repair the venv, print the outcome; True if ready."""
     t0, wheels = time.monotonic(), ""
     rc, facts = run_sh(host, FIND_SH, [args.python_version, args.base_python, venv, marker, FACTS], "", 120)
-    if rc == 0 and "self" in facts:
-        with PRINT:
-            event("provision", host=host, status="skipped",
-                  why="PYTHON's venv on this host is this machine's own .venv (make setup's)")
-        return True
     if rc == 0 and facts.get("tag") == TAG:
         with WHEELS:  # downloaded by the first host that needs them
             house = wheelhouse()
@@ -151,30 +146,32 @@ def provision_host(host: str, args, venv: str, lock: str, marker: str) -> bool:
             if not r.ok:
                 rc, facts["error"] = 30, f"wheels: rsync exited {r.returncode}: {r.stderr[-200:]}"
     if rc == 0 and "base" in facts:
-        rc, facts = run_sh(host, PROVISION_SH, [args.python_version, venv, facts["base"],
-                                                "1" if args.recreate else "0", wheels], lock, TIMEOUT)
+        argv = [args.python_version, venv, facts["base"], "1" if args.recreate else "0", wheels]
+        rc, facts = run_sh(host, PROVISION_SH, argv, LOCK.read_text(encoding="utf-8"), TIMEOUT)
     err, wall = facts.get("error") or f"exit {rc}", round(time.monotonic() - t0, 1)
     fix = FIXES.get(err.split(" ", 1)[0], "see the lines above; exit 255: make check-parity names the cause")
     why = f"timed out after {TIMEOUT} s" if rc == -9 else f"{err}; fix: {fix.format(args.python_version)}"
     with PRINT:  # one host's outcome at a time
-        if rc == 0:
+        if "self" in facts:  # nothing done
+            event("provision", host=host, status="skipped",
+                  why="PYTHON's venv on this host is this machine's own .venv (make setup's)")
+        elif rc == 0:
             event("provision", host=host, status="ok", venv=facts.get("venv", "?"), base=facts.get("base"),
                   wheels="shipped" if wheels else "index", pip_s=facts.get("installed", "?"), wall_s=wall)
-            return True
-        event("provision", host=host, status="FAILED", wall_s=wall)
-        print(f"error: {host}: {why}; see RUNBOOK.md#provision", file=sys.stderr, flush=True)
-    return False
+        else:
+            event("provision", host=host, status="FAILED", wall_s=wall)
+            print(f"error: {host}: {why}; see RUNBOOK.md#provision", file=sys.stderr, flush=True)
+    return rc == 0
 
 
 def main() -> int:
     args = build_parser().parse_args()
     try:
-        t0, hf, venv = time.monotonic(), load_hostfile(args.hostfile), venv_of(args.python)
+        t0, hosts, venv = time.monotonic(), load_hostfile(args.hostfile).unique_ssh(), venv_of(args.python)
         if args.base_python:
             check_path(args.base_python, "BASE_PYTHON")
-        lock, hosts = LOCK.read_text(encoding="utf-8"), hf.unique_ssh()
-    except (RunbookError, OSError) as e:
-        return die(e if isinstance(e, RunbookError) else RunbookError(str(e), "provision"), 2)
+    except RunbookError as e:
+        return die(e, 2)
     event("provision-start", hosts=len(hosts), venv=venv, python=args.python_version,
           lock=sha256_file(LOCK)[:12])
     # A marker file in this machine's own venv: a host that sees it (127.0.0.1, a shared disk) is skipped.
@@ -182,7 +179,7 @@ def main() -> int:
     with tempfile.NamedTemporaryFile(dir=sys.prefix if own else None, prefix=".provision-self-") as mine:
         marker = Path(mine.name).name if own else ""
         with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
-            ok = all(list(pool.map(lambda h: provision_host(h, args, venv, lock, marker), hosts)))
+            ok = all(list(pool.map(lambda h: provision_host(h, args, venv, marker), hosts)))
     event("provision-summary", hosts=len(hosts), ok=ok, wall_s=round(time.monotonic() - t0, 1))
     return 0 if ok else 1
 
