@@ -19,10 +19,16 @@ import sys
 from importlib.metadata import version as pkg_version
 from pathlib import Path
 
+from huggingface_hub import HfApi, constants, snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, RevisionResolutionError
+from mlx_lm import convert
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, paths  # noqa: E402
 from lib.hashing import tree_hashes  # noqa: E402
+from lib.launch import read_json  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 
 ANCHOR, GROUP_SIZE = "model", 64
@@ -43,8 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def hub(what: str, call, *args, **kw):
     """call(*args, **kw) into huggingface_hub; its failure as a RunbookError that names the fix."""
-    from huggingface_hub.errors import HfHubHTTPError, RevisionResolutionError
-
     try:
         return call(*args, **kw)
     except (HfHubHTTPError, RevisionResolutionError, OSError, ValueError) as e:
@@ -64,12 +68,10 @@ def describe(repo: str, commit: str, quant: dict | None) -> str:
 
 def already_there(out: Path, repo: str, commit: str, quant: dict | None) -> bool:
     """True when out (which exists) holds exactly this model; a RunbookError if it holds anything else."""
-    try:
-        prov = json.loads((out / "provenance.json").read_text(encoding="utf-8"))
-        have, files = (prov["repo"], prov["commit"], prov["quantization"]), prov["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise RunbookError(f"{out} exists but has no provenance.json from bin/model.py "
-                           f"({type(e).__name__}: {e}); {REPLACE}", ANCHOR) from e
+    prov = read_json(out / "provenance.json")  # {} when missing or unreadable
+    have, files = (prov.get("repo"), prov.get("commit"), prov.get("quantization")), prov.get("files")
+    if not isinstance(files, dict) or None in have[:2]:
+        raise RunbookError(f"{out} exists but has no provenance.json from bin/model.py; {REPLACE}", ANCHOR)
     if have != (repo, commit, quant):
         raise RunbookError(f"{out} holds {describe(*have)}, not {describe(repo, commit, quant)}; {REPLACE}",
                            ANCHOR)
@@ -82,9 +84,6 @@ def already_there(out: Path, repo: str, commit: str, quant: dict | None) -> bool
 
 def main() -> int:
     args = build_parser().parse_args()
-    from huggingface_hub import HfApi, constants, snapshot_download
-    from mlx_lm import convert
-    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
     quant = args.quantize and {"bits": args.quantize, "group_size": GROUP_SIZE, "mode": "affine",
                                "by": "mlx_lm.convert"}
     try:  # the commit a branch or tag points to now (offline: the one the cache's refs/ recorded)
@@ -97,13 +96,10 @@ def main() -> int:
         name = f"{args.repo}@{commit[:12]}"  # fetched: the cache's folder of the files mlx-lm loads
         snapshot = Path(hub(f"cannot fetch {name}", snapshot_download, args.repo, revision=commit,
                             allow_patterns=DEFAULT_ALLOW_PATTERNS))
-        if not (snapshot / "config.json").is_file() or not list(snapshot.glob("model*.safetensors")):
-            raise RunbookError(f"{name} has no config.json and model*.safetensors: not a model mlx-lm "
-                               "loads (safetensors only)", ANCHOR)
-        if gone := paths.missing_shards(snapshot):
-            raise RunbookError(f"{name} is incomplete in the cache: model.safetensors.index.json names "
-                               f"{', '.join(gone)}, never downloaded; fetch it online (HF_HUB_OFFLINE unset)",
-                               ANCHOR)
+        need = [f for f in ("config.json", "model*.safetensors") if not list(snapshot.glob(f))]
+        if gone := need + paths.missing_shards(snapshot):  # safetensors only; every shard the index names
+            raise RunbookError(f"{name} in the cache lacks {', '.join(gone)}: not a model mlx-lm loads, or "
+                               "its download stopped; fetch it online (HF_HUB_OFFLINE unset)", ANCHOR)
         config = json.loads((snapshot / "config.json").read_text(encoding="utf-8"))
         with atomic.atomic_dir(args.out) as tmp:
             if not quant:

@@ -16,8 +16,8 @@ import functools
 import os
 import platform
 import re
-import secrets
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,31 +37,27 @@ XY, TIMEOUT = "{}.{}".format(*sys.version_info), 1800  # this Python's X.Y; seco
 PRINT, WHEELS = threading.Lock(), threading.Lock()  # one host's lines at a time; the wheels fetched once
 SYSTEM_PREFIXES = {"/usr", "/usr/local", "/opt/homebrew", "/opt/local", "/opt/homebrew/opt", "/System",
                    "/Library/Frameworks", "/Applications", "/Users", "/home", "/root", "/var/root"}  # no venv
-# What FIND_SH asks each candidate Python: X.Y, then the facts (real path, version, platform, machine).
-FACTS = ("import os, platform as p, sys; print('%d.%d' % sys.version_info[:2], "
-         "os.path.realpath(sys.executable), p.python_version(), sys.platform, p.machine())")
+# What FIND_SH asks each candidate Python; this machine's wheels fit a host whose answer is TAG.
+FACTS = "import platform as p, sys; print('%d.%d' % sys.version_info[:2], sys.platform, p.machine())"
+TAG = f"{XY} {sys.platform} {platform.machine()}"
 # Constant scripts, values only as positional arguments; "@@ " lines are facts, the rest is shown.
-# FIND_SH $1 = X.Y, $2 = base python, $3 = venv, $4 = self-marker, $5 = FACTS: "@@ self", or X.Y's facts.
+# FIND_SH $1 = X.Y, $2 = base python, $3 = venv, $4 = self-marker, $5 = FACTS: "@@ self", or base and tag.
 FIND_SH = r"""
 want=$1; base=$2; venv=$3; marker=$4; seen=""
 if [ -n "$marker" ] && [ -e "$venv/$marker" ]; then echo "@@ self"; exit 0; fi
 for c in "$base" "python$want" "/opt/homebrew/bin/python$want" "/usr/local/bin/python$want" \
-         "/Library/Frameworks/Python.framework/Versions/$want/bin/python$want" "/usr/bin/python$want" \
-         python3 /usr/bin/python3; do
-  [ -n "$c" ] || continue
-  p=$(command -v "$c" 2>/dev/null) || continue
+         "/Library/Frameworks/Python.framework/Versions/$want/bin/python$want" python3; do
+  p=$(command -v "$c" 2>/dev/null) || continue  # "" ($base unset) too
   f=$("$p" -c "$5" </dev/null 2>/dev/null) || continue
   [ "${f%% *}" = "$want" ] || { seen="$seen $c=${f%% *}"; continue; }
   mkdir -p "$(dirname "$venv")" || { echo "@@ error cannot-create $(dirname "$venv")"; exit 24; }
-  printf '@@ base %s\n@@ facts %s\n' "$p" "${f#* }"; exit 0
+  printf '@@ base %s\n@@ tag %s\n' "$p" "$f"; exit 0
 done
 echo "@@ error no-python found:${seen:- nothing}"; exit 21
 """
-# PROVISION_SH $1 = X.Y, $2 = venv, $3 = base python, $4 = 1: recreate, $5 = wheels; the lock on stdin.
+# PROVISION_SH $1 = X.Y, $2 = venv, $3 = base python, $4 = 1: recreate, $5 = wheels; stdin: the lock, for pip.
 PROVISION_SH = r"""
 want=$1; venv=$2; base=$3; recreate=$4; wheels=$5; vpy="$venv/bin/python"; state=create
-lock=$(mktemp "${TMPDIR:-/tmp}/provision-lock.XXXXXX") || exit 20
-trap 'rm -f "$lock"' EXIT; cat > "$lock"
 if [ -e "$venv" ]; then
   [ -f "$venv/pyvenv.cfg" ] || { echo "@@ error not-a-venv $venv"; exit 22; }
   have=$("$vpy" -c 'import sys; print("%d.%d" % sys.version_info[:2])' </dev/null 2>/dev/null)
@@ -70,21 +66,20 @@ if [ -e "$venv" ]; then
 fi
 if [ $state = create ] && ! "$base" -m venv "$venv" </dev/null; then
   echo "@@ error venv-failed $venv"; exit 25; fi
-echo "@@ venv $state"
+printf '@@ venv %s\n@@ base %s\n' "$state" "$base"
 if [ -n "$wheels" ]; then set -- --no-index --find-links "$wheels"; else set --; fi
 start=$(date +%s)
 "$vpy" -m pip install --quiet --disable-pip-version-check --no-input --require-hashes --no-deps \
-  --no-compile "$@" -r "$lock" </dev/null || { echo "@@ error pip-install"; exit 27; }
+  --no-compile "$@" -r /dev/stdin || { echo "@@ error pip-install"; exit 27; }
 "$vpy" -m pip check </dev/null || { echo "@@ error pip-check"; exit 28; }
 echo "@@ installed $(( $(date +%s) - start ))"
 """
-FIXES = {"no-python": "install Python {want} there (macOS: brew install python@{want}; Debian/Ubuntu: apt-get"
-                       " install python{want}-venv), or name it: BASE_PYTHON=/path/to/python{want}",
+FIXES = {"no-python": "install Python {0} there (macOS: brew install python@{0}; Debian/Ubuntu: apt-get"
+                       " install python{0}-venv), or name it: BASE_PYTHON=/path/to/python{0}",
          "not-a-venv": "PYTHON's folder exists but is not a venv: move it away or point PYTHON elsewhere",
-         "venv-failed": "the host's Python cannot create a venv (Debian: apt-get install python{want}-venv)",
+         "venv-failed": "the host's Python cannot create a venv (Debian: apt-get install python{0}-venv)",
          "pip-install": "pip could not install the lock: no index access, and not this machine's platform",
-         "pip-check": "installed packages conflict: re-run with RECREATE=1",
-         "cannot-create": "the venv's parent folder cannot be created: check permissions on the host"}
+         "pip-check": "installed packages conflict: re-run with RECREATE=1"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,12 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
 def venv_of(python: str) -> str:
     """PYTHON's venv folder; refused unless PYTHON is <venv>/bin/python* outside a system prefix."""
     venv = os.path.normpath(str(Path(check_path(python, "PYTHON")).parent.parent))
-    if Path(python).parent.name != "bin" or not re.match(r"^python(3(\.\d+)?)?$", Path(python).name):
-        raise RunbookError(f"PYTHON {python} is not a venv interpreter (<venv>/bin/python), which provision "
-                           "creates: name one, e.g. $(REMOTE_ROOT)/.venv/bin/python", "provision")
-    if venv in SYSTEM_PREFIXES or venv.count("/") < 2:
-        raise RunbookError(f"PYTHON {python} is a system interpreter ({venv}), not a venv's: provision would "
-                           "replace that folder; use one, e.g. $(REMOTE_ROOT)/.venv/bin/python", "provision")
+    if (Path(python).parent.name != "bin" or not re.match(r"^python(3(\.\d+)?)?$", Path(python).name)
+            or venv in SYSTEM_PREFIXES or venv.count("/") < 2):
+        raise RunbookError(f"PYTHON {python} is not a venv interpreter (<venv>/bin/python, not in a system "
+                           "folder), which provision creates: $(REMOTE_ROOT)/.venv/bin/python", "provision")
     return venv
 
 
@@ -138,67 +131,55 @@ def run_sh(host: str, script: str, argv: list[str], stdin_text: str, timeout: fl
     return -9 if r.timed_out else r.returncode, facts
 
 
-def provision_host(host: str, args, venv: str, lock: str, marker: str) -> bool:
+def provision_host(host: str, args, venv: str, marker: str) -> bool:
     """One host: find Python X.Y, ship wheels, build or repair the venv, print the outcome; True if ready."""
-    t0, wheels, base = time.monotonic(), "", "?"
+    t0, wheels = time.monotonic(), ""
     rc, facts = run_sh(host, FIND_SH, [args.python_version, args.base_python, venv, marker, FACTS], "", 120)
-    if rc == 0 and "self" in facts:
-        with PRINT:
+    if rc == 0 and facts.get("tag") == TAG:
+        with WHEELS:  # downloaded by the first host that needs them
+            house = wheelhouse()
+        wheels = str(house or "")
+        if house and not is_local(host):  # this machine's wheels, shipped beside the venv
+            wheels = f"{venv}.wheels"
+            r = run_on(host, ["rsync", "-a", "--delete", "-e", rsh(), f"{house}/", f"{host}:{wheels}/"],
+                       timeout=TIMEOUT, local=True)
+            if not r.ok:
+                rc, facts["error"] = 30, f"wheels: rsync exited {r.returncode}: {r.stderr[-200:]}"
+    if rc == 0 and "base" in facts:
+        argv = [args.python_version, venv, facts["base"], "1" if args.recreate else "0", wheels]
+        rc, facts = run_sh(host, PROVISION_SH, argv, LOCK.read_text(encoding="utf-8"), TIMEOUT)
+    err, wall = facts.get("error") or f"exit {rc}", round(time.monotonic() - t0, 1)
+    fix = FIXES.get(err.split(" ", 1)[0], "see the lines above; exit 255: make check-parity names the cause")
+    why = f"timed out after {TIMEOUT} s" if rc == -9 else f"{err}; fix: {fix.format(args.python_version)}"
+    with PRINT:  # one host's outcome at a time
+        if "self" in facts:  # nothing done
             event("provision", host=host, status="skipped",
                   why="PYTHON's venv on this host is this machine's own .venv (make setup's)")
-        return True
-    if rc == 0 and "base" in facts:
-        real, version, plat, machine = (facts.get("facts", "") + " ? ? ? ?").split()[:4]
-        base = f"{real}@{version}"
-        if (plat, machine, args.python_version) == (sys.platform, platform.machine(), XY):
-            with WHEELS:  # downloaded by the first host that needs them
-                house = wheelhouse()
-            wheels = f"{venv}.wheels" if house and not is_local(host) else str(house or "")
-            if wheels == f"{venv}.wheels":  # this machine's wheels, shipped beside the venv
-                r = run_on(host, ["rsync", "-a", "--delete", "-e", rsh(), f"{house}/", f"{host}:{wheels}/"],
-                           timeout=TIMEOUT, local=True)
-                if not r.ok:
-                    rc, facts["error"] = 30, f"wheels: rsync exited {r.returncode}: {r.stderr[-200:]}"
-        if rc == 0:
-            rc, facts = run_sh(host, PROVISION_SH, [args.python_version, venv, facts["base"],
-                                                    "1" if args.recreate else "0", wheels], lock, TIMEOUT)
-    err, wall = facts.get("error") or "", round(time.monotonic() - t0, 1)
-    fix = FIXES.get(err.split(" ", 1)[0], "see the lines above").format(want=args.python_version)
-    why = (f"timed out after {TIMEOUT} s" if rc == -9 else "ssh failed (make check-parity names the cause "
-           "and its fix)" if rc == 255 and not err else f"{err or f'exit {rc}'}; fix: {fix}")
-    with PRINT:  # one host's outcome at a time
-        if rc == 0:
-            event("provision", host=host, status="ok", venv=facts.get("venv", "?"), base=base,
+        elif rc == 0:
+            event("provision", host=host, status="ok", venv=facts.get("venv", "?"), base=facts.get("base"),
                   wheels="shipped" if wheels else "index", pip_s=facts.get("installed", "?"), wall_s=wall)
-            return True
-        event("provision", host=host, status="FAILED", wall_s=wall)
-        print(f"error: {host}: {why}; see RUNBOOK.md#provision", file=sys.stderr, flush=True)
-    return False
+        else:
+            event("provision", host=host, status="FAILED", wall_s=wall)
+            print(f"error: {host}: {why}; see RUNBOOK.md#provision", file=sys.stderr, flush=True)
+    return rc == 0
 
 
 def main() -> int:
     args = build_parser().parse_args()
     try:
-        t0, hf, venv = time.monotonic(), load_hostfile(args.hostfile), venv_of(args.python)
-        if not re.match(r"^3\.\d+$", args.python_version):
-            raise RunbookError(f"--python-version {args.python_version!r} is not X.Y", "provision")
+        t0, hosts, venv = time.monotonic(), load_hostfile(args.hostfile).unique_ssh(), venv_of(args.python)
         if args.base_python:
             check_path(args.base_python, "BASE_PYTHON")
-        lock, hosts = LOCK.read_text(encoding="utf-8"), hf.unique_ssh()
-    except (RunbookError, OSError) as e:
-        return die(e if isinstance(e, RunbookError) else RunbookError(str(e), "provision"), 2)
+    except RunbookError as e:
+        return die(e, 2)
     event("provision-start", hosts=len(hosts), venv=venv, python=args.python_version,
           lock=sha256_file(LOCK)[:12])
     # A marker file in this machine's own venv: a host that sees it (127.0.0.1, a shared disk) is skipped.
-    mine = Path(sys.prefix) / f".provision-self-{os.getpid()}-{secrets.token_hex(8)}"
-    marker = mine.name if os.path.realpath(venv) == os.path.realpath(sys.prefix) else ""
-    try:
-        if marker:
-            mine.write_text("provision: this machine's own venv\n")
+    own = os.path.realpath(venv) == os.path.realpath(sys.prefix)
+    with tempfile.NamedTemporaryFile(dir=sys.prefix if own else None, prefix=".provision-self-") as mine:
+        marker = Path(mine.name).name if own else ""
         with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
-            ok = all(list(pool.map(lambda h: provision_host(h, args, venv, lock, marker), hosts)))
-    finally:
-        mine.unlink(missing_ok=True)
+            ok = all(list(pool.map(lambda h: provision_host(h, args, venv, marker), hosts)))
     event("provision-summary", hosts=len(hosts), ok=ok, wall_s=round(time.monotonic() - t0, 1))
     return 0 if ok else 1
 

@@ -1,9 +1,7 @@
 #!/usr/bin/env python3
 """sync: code, dataset (and model) to the same absolute path on every host, verified by sha256.
 
-Usage:
-    python bin/sync.py --hostfile HOSTFILE --remote-root DIR --dataset NAME [--model PATH] [--dry-run] ...
-
+Usage: python bin/sync.py --hostfile HOSTFILE --remote-root DIR --dataset NAME [--model PATH] [--dry-run] ...
 Example:
     python bin/sync.py --hostfile hostfile.json --remote-root /Users/op/thunder-runbook \
         --dataset domain_sft_v1_high_signal_thunder --model models/tiny-gemma4 --run stage1
@@ -49,28 +47,25 @@ CHANGE_RE = re.compile(r"^(?!\.d)[<>ch.*][fdLDS*]")  # --itemize-changes lines b
 # (openrsync to 3.x skips subfolders), --max-delete (2.6.9: 0 = no limit, over it only warns).
 
 # The probe (and the check after a transfer): $1 root; $2 rw (create root/datasets, remove a killed sync's
-# staging copy of $3) or ro; $3 the dataset folder to list (or -); then files to hash (as ./path), --exists,
-# files to look for. It lists the code folders' files and hashes with the first tool proven on empty input.
+# staging copy of $3) or ro; $3 the dataset whose files to list (or -); then files to hash (as ./path) and,
+# with a leading +, files only to look for. It lists the code folders' files too.
 PROBE_SH = r"""
-root=$1; mode=$2; list=$3; shift 3
+root=$1; mode=$2; name=$3; d=$1/datasets; shift 3
 case "$root" in "$HOME"|"${HOME%/}") echo HOMEROOT; exit 0;; esac
-if [ "$mode" = rw ]; then mkdir -p -- "$root/datasets" || exit 3; fi
+if [ "$mode" = rw ]; then mkdir -p -- "$d" && rm -rf -- "$d/.$name.incoming" || exit 3; fi
 cd "$root" 2>/dev/null || exit 0  # ro, and no REMOTE_ROOT yet: nothing there
-h=; for c in "openssl dgst -sha256 -r" sha256sum "shasum -a 256"; do
-  s=$($c </dev/null 2>/dev/null) || continue
-  case "$s" in e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855*) h=$c; break;; esac
+for h in "openssl dgst -sha256 -r" sha256sum "shasum -a 256" ""; do  # the first tool proven on empty input
+  case $($h </dev/null 2>/dev/null) in
+    e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855*) break;; esac
 done
 if [ -z "$h" ]; then echo "no working sha256 tool (openssl, sha256sum or shasum) on this host" >&2; exit 3; fi
-if [ "$list" != - ] && [ -d "$list" ]; then ls -A -- "$list" | sed 's/^/LIVE /'; fi
+[ -d "datasets/$name" ] && ls -A -- "datasets/$name" | sed 's/^/LIVE /'
 find bin lib configs \( -name '.*' -o -name __pycache__ -o -name '*.pyc' \) -prune -o ! -type d -print \
   2>/dev/null | sed 's/^/CODE /'
-if [ "$mode" = rw ] && [ "$list" != - ]; then rm -rf -- "${list%/*}/.${list##*/}.incoming"; fi
-exists=; for f; do
-  shift
-  if [ "$f" = --exists ]; then exists=1
-  elif [ ! -f "$f" ]; then printf 'MISSING %s\n' "$f"
-  elif [ -n "$exists" ]; then printf 'EXISTS %s\n' "$f"
-  else set -- "$@" "./$f"; fi
+for f; do
+  shift; g=${f#+}
+  if [ "$g" != "$f" ]; then [ -f "$g" ] && echo "EXISTS $g"
+  elif [ -f "$f" ]; then set -- "$@" "./$f"; fi
 done
 if [ $# -gt 0 ]; then $h "$@" || exit 3; fi
 """
@@ -115,35 +110,24 @@ def load_plan(args) -> dict:
                            "letters, digits and _./+- may be in it: RSYNC_PATH=/usr/bin/rsync", "sync-rsync")
     if args.run:
         paths.check_run_id(args.run)
-    hosts = hostfile.load(args.hostfile).unique_ssh()
-    d = f"datasets/{args.dataset}"
+    hosts, d, model = hostfile.load(args.hostfile).unique_ssh(), f"datasets/{args.dataset}", args.model
     expected = {f"{d}/{f}": m["sha256"] for f, m in sorted(read_manifest(paths.ROOT / d)["files"].items())}
     expected[f"{d}/manifest.json"] = sha256_file(paths.ROOT / d / "manifest.json")
-    code, mrel = tree_hashes(paths.ROOT, CODE), model_rel(args.model)
-    model_files = iter_files(paths.ROOT, [mrel]) if mrel else []
-    if bad := [f for f in [*code, *expected, *model_files] if any(c in f for c in "\n\r\\")]:
-        raise RunbookError(f"{bad[0]!r} refused: a name with a newline or backslash (no host can verify it); "
-                           "rename it", "sync-refused")
-    return {"root": root, "hosts": hosts, "code": code, "expected": expected, "model_rel": mrel,
-            "model_files": model_files}
-
-
-def model_rel(model: str) -> str | None:
-    """The complete model's path in the repo (refused elsewhere), or None for a hub id (hosts resolve it)."""
-    if not model or not (paths.ROOT / model).exists():
-        if model.startswith((".", "/")):
-            raise RunbookError(f"MODEL {model} does not exist here", "sync-model")
-        return None  # a hub id such as mlx-community/gemma-4-e2b-it-4bit
-    rel = os.path.relpath(os.path.normpath(paths.ROOT / model), paths.ROOT)  # models/x may be a link
-    if rel.split("/")[0] == "..":
-        raise RunbookError(f"MODEL {model} is outside the repo, so it would land outside REMOTE_ROOT; "
-                           "move or link it under models/", "sync-model")
-    paths.require_complete(paths.ROOT / rel, model, "sync-model")
-    return rel
+    mrel = None  # the model's path in the repo; None for a hub id (the hosts resolve it)
+    if model and (paths.ROOT / model).exists():
+        mrel = os.path.relpath(os.path.normpath(paths.ROOT / model), paths.ROOT)  # models/x may be a link
+        if mrel.split("/")[0] == "..":
+            raise RunbookError(f"MODEL {model} is outside the repo, so it would land outside REMOTE_ROOT; "
+                               "move or link it under models/", "sync-model")
+        paths.require_complete(paths.ROOT / mrel, model, "sync-model")
+    elif model.startswith((".", "/")):
+        raise RunbookError(f"MODEL {model} does not exist here: make model", "sync-model")
+    return {"root": root, "hosts": hosts, "code": tree_hashes(paths.ROOT, CODE), "expected": expected,
+            "model_rel": mrel, "model_files": iter_files(paths.ROOT, [mrel]) if mrel else []}
 
 
 def probe(host: str, root: str, args: list[str]) -> dict:
-    """Run PROBE_SH (args: mode, dataset folder, files...): {hash: {path: sha256}, live, code, exists}."""
+    """Run PROBE_SH (args: mode, dataset, files...): {hash: {path: sha256}, live, code, exists}."""
     r = run_on(host, ["sh", "-c", PROBE_SH, "sh", root, *args], timeout=LONG_TIMEOUT)
     if not r.ok:
         raise RunbookError(f"{host}: probe failed (exit {r.returncode}): {r.stderr.strip()[:400]}",
@@ -152,10 +136,9 @@ def probe(host: str, root: str, args: list[str]) -> dict:
     if "HOMEROOT" in lines:
         raise RunbookError(f"{host}: REMOTE_ROOT {root} is that host's home directory itself; "
                            "use a folder inside it", "sync-refused")
-    return {"hash": {m.group(2): m.group(1) for m in map(HASH_LINE_RE.match, lines) if m},
-            "live": {ln[5:] for ln in lines if ln.startswith("LIVE ")},
-            "code": {ln[5:] for ln in lines if ln.startswith("CODE ")},
-            "exists": {ln[7:] for ln in lines if ln.startswith("EXISTS ")}}
+    tags = {t.lower(): {ln[len(t) + 1:] for ln in lines if ln.startswith(f"{t} ")}
+            for t in ("LIVE", "CODE", "EXISTS")}
+    return dict(tags, hash={m.group(2): m.group(1) for m in map(HASH_LINE_RE.match, lines) if m})
 
 
 def bytes_sent(stats: str) -> int | None:
@@ -186,14 +169,13 @@ def sync_host(host: str, args, plan: dict) -> dict:
                     wall_s=round(time.monotonic() - t0, 3))
 
     # 1. probe (it creates REMOTE_ROOT/datasets, except on a dry run)
-    before = probe(host, root, ["ro" if args.dry_run else "rw", f"datasets/{name}",
-                               *plan["code"], *plan["expected"], "--exists", *plan["model_files"]])
+    before = probe(host, root, ["ro" if args.dry_run else "rw", name, *plan["code"],
+                               *plan["expected"], *(f"+{f}" for f in plan["model_files"])])
     rec["before"] = diff = {"code": [f for f, h in plan["code"].items() if before["hash"].get(f) != h],
                             "dataset": [f for f, h in plan["expected"].items() if before["hash"].get(f) != h],
                             "extra": sorted(before["live"] - {f.rsplit("/", 1)[1] for f in plan["expected"]}),
-                            "code_extra": sorted(before["code"] - set(plan["code"])),
-                            "model_missing": [f for f in plan["model_files"] if f not in before["exists"]]}
-    diff["model"] = bool(mrel) and (args.sync_model or bool(diff["model_missing"]))
+                            "code_extra": sorted(before["code"] - set(plan["code"]))}
+    diff["model"] = bool(mrel) and (args.sync_model or not before["exists"] >= set(plan["model_files"]))
     gone = [*(f"datasets/{name}/{f}" for f in diff["extra"]), *diff["code_extra"]]
     if len(gone) > args.max_delete:
         raise RunbookError(f"{host}: {len(gone)} files that are not in its manifest or this checkout would "
@@ -201,49 +183,45 @@ def sync_host(host: str, args, plan: dict) -> dict:
                            "check REMOTE_ROOT and DATASET, move them away, or raise it", "sync-refused")
 
     # 2. transfer what differs: code, dataset and model at once
-    dest, jobs = root if hostfile.is_local(host) else f"{host}:{root}", []
+    dest, jobs = root if hostfile.is_local(host) else f"{host}:{root}", {}
     if diff["code"] or diff["code_extra"]:  # --delete: inside the code folders, not what is excluded
-        jobs.append(("code", ["--checksum", "--delete", "--exclude=__pycache__", "--exclude=*.pyc",
-                              "--exclude=.*", *CODE, f"{dest}/"]))
+        jobs["code"] = ["--checksum", "--delete", "--exclude=__pycache__", "--exclude=*.pyc", "--exclude=.*",
+                        *CODE, f"{dest}/"]
     if diff["dataset"] or diff["extra"]:
         # The manifest's files into a fresh staging folder (dry run: the live one), unchanged ones
         # hard-linked; --checksum when a same-sized damaged file could pass rsync's quick check.
         only = [f"--include=/{f.rsplit('/', 1)[1]}" for f in plan["expected"]] + ["--exclude=*"]
-        into = f"datasets/{name}" if args.dry_run else f"datasets/.{name}.incoming"
+        into = name if args.dry_run else f".{name}.incoming"
         link = [] if args.dry_run else [f"--link-dest={root}/datasets/{name}"]
         check = ["--checksum"] if args.dry_run or set(diff["dataset"]) & set(before["hash"]) else []
-        jobs.append(("dataset", [*check, *link, *only, f"datasets/{name}/", f"{dest}/{into}/"]))
+        jobs["dataset"] = [*check, *link, *only, f"datasets/{name}/", f"{dest}/datasets/{into}/"]
     if diff["model"]:
-        jobs.append(("model", ["-R", "--delay-updates", f"{mrel}/", f"{dest}/"]))  # -R: creates models/
+        jobs["model"] = ["-R", "--delay-updates", f"{mrel}/", f"{dest}/"]  # -R: creates models/
     with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
-        done = list(pool.map(lambda j: rsync(host, args, j[1]), jobs))
-    sizes = [b for b, _ in done]
-    rec.update(transferred_bytes=None if None in sizes else sum(sizes), actions=[k for k, _ in jobs],
-               changes=[f"{k} {c}" for (k, _), (_, changes) in zip(jobs, done, strict=True) for c in changes])
+        done = dict(zip(jobs, pool.map(lambda a: rsync(host, args, a), jobs.values()), strict=True))
+    sizes = [b for b, _ in done.values()]
+    rec.update(transferred_bytes=None if None in sizes else sum(sizes), actions=list(jobs),
+               changes=[f"{k} {c}" for k, (_, changes) in done.items() for c in changes])
     if args.dry_run:
         rec["changes"] += [f"dataset *deleting {f}" for f in diff["extra"]]
         return dict(rec, verified=None, wall_s=round(time.monotonic() - t0, 3))
 
     # 3. verify, not trust: the host hashes all that was sent (what was not, the probe hashed: it
     # matched); the dataset is swapped in only if all of it matches.
-    with MODEL_LOCK:  # the model is hashed here once, and only if some host receives it: gigabytes
-        if diff["model"] and "model" not in plan:
-            plan["model"] = tree_hashes(paths.ROOT, plan["model_files"])
-    mh = plan["model"] if diff["model"] else {}
-    want = dict(plan["code"], **plan["expected"], **mh)
-    staged = {f"datasets/.{name}.incoming/{f.rsplit('/', 1)[1]}": f
-              for f in plan["expected"]} if "dataset" in rec["actions"] else {}
-    sent, bad = [*(plan["code"] if "code" in rec["actions"] else []), *mh, *staged], set()
-    if sent:
-        after = probe(host, root, ["ro", "-", *sent])
-        bad = {f for s, f in staged.items() if after["hash"].get(s) != want[f]}
-        if staged and not bad:
-            r = run_on(host, ["sh", "-c", SWAP_SH, "sh", root, name], timeout=SWAP_TIMEOUT)
-            if not r.ok:
-                raise RunbookError(f"{host}: swapping in datasets/.{name}.incoming failed (exit "
-                                   f"{r.returncode}): {r.stderr.strip()[:400]}", "sync-ssh")
-        bad |= {f for f in sent if f not in staged and after["hash"].get(f) != want[f]}
-        bad |= after["code"] & set(diff["code_extra"])  # what --delete should have removed
+    if diff["model"]:
+        with MODEL_LOCK:  # the model is hashed here once, and only if some host receives it: gigabytes
+            plan["model"] = plan.get("model") or tree_hashes(paths.ROOT, plan["model_files"])
+    staged = {f"datasets/.{name}.incoming/{f.rsplit('/', 1)[1]}": f for f in plan["expected"]}
+    want = {**(plan["code"] if "code" in jobs else {}), **(plan["model"] if diff["model"] else {}),
+            **({s: plan["expected"][f] for s, f in staged.items()} if "dataset" in jobs else {})}
+    after = probe(host, root, ["ro", "-", *want]) if want else {"hash": {}, "code": set()}
+    bad = {staged.get(f, f) for f, h in want.items() if after["hash"].get(f) != h}
+    bad |= after["code"] & set(diff["code_extra"])  # what --delete should have removed
+    if "dataset" in jobs and not bad & set(plan["expected"]):
+        r = run_on(host, ["sh", "-c", SWAP_SH, "sh", root, name], timeout=SWAP_TIMEOUT)
+        if not r.ok:
+            raise RunbookError(f"{host}: swapping in datasets/.{name}.incoming failed (exit "
+                               f"{r.returncode}): {r.stderr.strip()[:400]}", "sync-ssh")
     return dict(rec, verified=not bad, mismatches=sorted(bad), wall_s=round(time.monotonic() - t0, 3))
 
 

@@ -231,8 +231,8 @@ def _sync_module():
 
 @pytest.mark.parametrize("shell", ["sh", "bash --posix"])
 def test_probe_and_swap_scripts_as_a_host_runs_them(tmp_path, shell):
-    """PROBE_SH on its own: a name with a space is hashed, a missing file named, the dataset folder
-    listed, `--exists` files only looked for. SWAP_SH puts the staging copy live, also after a swap
+    """PROBE_SH on its own: a name with a space is hashed, a missing file skipped, the dataset folder
+    listed, `+` files only looked for. SWAP_SH puts the staging copy live, also after a swap
     that was cut between its two renames (the aside copy is put back first, then replaced)."""
     import hashlib
 
@@ -242,14 +242,14 @@ def test_probe_and_swap_scripts_as_a_host_runs_them(tmp_path, shell):
     (root / "configs" / "my run.yaml").write_text("a\n")
     (root / "datasets" / "d").mkdir(parents=True)
     (root / "datasets" / "d" / "train.jsonl").write_text("old\n")
-    p = subprocess.run([*shell.split(), "-c", mod.PROBE_SH, "sh", str(root), "ro", "datasets/d",
-                        "configs/my run.yaml", "configs/gone.yaml", "--exists", "datasets/d/train.jsonl", "models/x"],
+    p = subprocess.run([*shell.split(), "-c", mod.PROBE_SH, "sh", str(root), "ro", "d",
+                        "configs/my run.yaml", "configs/gone.yaml", "+datasets/d/train.jsonl", "+models/x"],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     hashes = {m.group(2): m.group(1) for m in map(mod.HASH_LINE_RE.match, p.stdout.splitlines()) if m}
     assert hashes == {"configs/my run.yaml": hashlib.sha256(b"a\n").hexdigest()}
-    assert {"MISSING configs/gone.yaml", "LIVE train.jsonl", "EXISTS datasets/d/train.jsonl",
-            "MISSING models/x"} <= set(p.stdout.splitlines()), p.stdout
+    assert {"LIVE train.jsonl", "EXISTS datasets/d/train.jsonl"} <= set(p.stdout.splitlines()), p.stdout
+    assert not [ln for ln in p.stdout.splitlines() if "gone.yaml" in ln or "models/x" in ln], p.stdout
     # A swap cut after its first rename: no live copy, an aside one, and a new staging copy.
     (root / "datasets" / "d").rename(root / "datasets" / ".d.previous")
     (root / "datasets" / ".d.incoming").mkdir()
