@@ -229,7 +229,7 @@ def main() -> int:
     args, t0 = build_parser().parse_args(), time.time()
     try:  # every refusal comes before any ssh or rsync
         plan = load_plan(args)
-    except RunbookError as e:
+    except (RunbookError, ValueError) as e:
         return die(e, 2)
     root, hosts, expected = plan["root"], plan["hosts"], plan["expected"]
     os.chdir(paths.ROOT)  # rsync sends the repo's relative paths

@@ -72,6 +72,9 @@ def test_dataset_name_outside_datasets_refused(rsync_spy, tmp_path):
     p = sync(remote_root=tmp_path / "dst", dataset="../lib", env=env)
     assert p.returncode == 2 and "not a plain folder name" in p.stderr
     assert not marker.exists()
+    p = sync("--run", "a;b", remote_root=tmp_path / "dst", dataset="x", env=env)  # an error, not a traceback
+    assert p.returncode == 2 and "see RUNBOOK.md#run-folders" in p.stderr and "Traceback" not in p.stderr
+    assert not marker.exists()
 
 
 def test_embedded_default_is_a_verified_noop(dataset):
