@@ -158,7 +158,8 @@ def timed(mx, reps: int, fn, *args, **kw) -> list[float]:
         t0 = time.perf_counter()
         mx.eval(fn(*args, **kw))
         each.append(time.perf_counter() - t0)
-    return mx.distributed.all_max(mx.array([statistics.mean(each[1:]), min(each[1:])]), stream=mx.cpu).tolist()
+    return mx.distributed.all_max(mx.array([statistics.mean(each[1:]), min(each[1:])]),
+                                  stream=mx.cpu).tolist()
 
 
 def rank_probe(spec: dict) -> dict | None:
@@ -218,7 +219,8 @@ def step_time_at(sweep: list[dict], b: int, key: str = "step_s") -> tuple[float 
 def max_fitting_batch(host: dict) -> tuple[int | None, str]:
     """(largest batch within memory, "measured" when memory stopped the sweep, else "lower_bound")."""
     fit = [r["batch"] for r in host.get("sweep", []) if not r.get("over_memory")]
-    return max(fit, default=None), "measured" if host.get("stopped", {}).get("reason") == "memory" else "lower_bound"
+    return max(fit, default=None), ("measured" if host.get("stopped", {}).get("reason") == "memory"
+                                    else "lower_bound")
 
 
 def recommend(cfg: dict, world: int, hosts: list[dict]) -> dict:
@@ -229,11 +231,13 @@ def recommend(cfg: dict, world: int, hosts: list[dict]) -> dict:
         return {"error": f"the global batch {g} (batch_size x grad_accumulation_steps) is not divisible by "
                          f"the world size {world}: use {g - g % world or world} or {g - g % world + world}"}
     if any(f[0] is None for f in fits):
-        return {"error": "a host measured no batch within its memory (or --skip-compute): see the compute phase"}
+        return {"error": "a host measured no batch within its memory (or --skip-compute): "
+                         "see the compute phase"}
     cap, per_rank = min(f[0] for f in fits), g // world
     m = max(d for d in range(1, min(per_rank, cap) + 1) if per_rank % d == 0)
     return {"per_rank_batch": m, "grad_accumulation_steps": per_rank // m, "config_batch_size": m * world,
-            "fits_memory_cap": cap, "fits_memory_cap_kind": "measured" if (cap, "measured") in fits else "lower_bound",
+            "fits_memory_cap": cap,
+            "fits_memory_cap_kind": "measured" if (cap, "measured") in fits else "lower_bound",
             "why": f"{g} examples per optimizer step = {world} ranks x {per_rank}; " + (
                 f"{m} per rank fits" if m == per_rank else
                 f"{per_rank} per rank does not fit: micro-batch {m} x {per_rank // m} accumulation steps")
@@ -262,7 +266,8 @@ def speedup_model(cfg: dict, world: int, hosts: list[dict], link: dict | None) -
         per_host[h["ssh"]] = (t if c and c["batch"] == m else t + t_g, how)
     t_ctrl, t_dual = accum * tc, accum * max(v[0] for v in per_host.values()) - (accum - 1) * t_g
     return {"per_rank_batch": m, "control_batch": cfg["batch_size"], "grad_accumulation_steps": accum,
-            "t_control_step_s": t_ctrl, "control_how": how_c, "t_dual_step_s": t_dual, "t_grad_allreduce_s": t_g,
+            "t_control_step_s": t_ctrl, "control_how": how_c,
+            "t_dual_step_s": t_dual, "t_grad_allreduce_s": t_g,
             "dual_how": {k: v[1] for k, v in per_host.items()}, "expected_speedup": t_ctrl / t_dual,
             "compute_bound_speedup": t_ctrl / max(t_dual - t_g, 1e-9), "link_share": t_g / t_dual}
 
@@ -329,8 +334,9 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
     rows = res.pop("allsum")
     # large messages: the best over the sizes >= a quarter of the largest (one disturbed size is not the link)
     top = max((r for r in rows if r["bytes"] >= rows[-1]["bytes"] / 4), key=lambda r: r["best_busbw_gbps"])
-    link = {"backend": hf.backend or "ring", "world_size": hf.size, "allreduce": rows, **res, "bandwidth_gbps": {
-        "bytes": top["bytes"], "busbw_mean": top["busbw_gbps"], "busbw_best": top["best_busbw_gbps"]}}
+    link = {"backend": hf.backend or "ring", "world_size": hf.size, "allreduce": rows, **res,
+            "bandwidth_gbps": {"bytes": top["bytes"], "busbw_mean": top["busbw_gbps"],
+                               "busbw_best": top["best_busbw_gbps"]}}
     if c := res.get("concurrent"):  # per host, its slowest rank
         ranks = list(zip(hf.hosts, c["step_s"], strict=True))
         slowest = {s: max(t for h, t in ranks if h.ssh == s) for s in hf.unique_ssh()}
@@ -354,7 +360,8 @@ def measure(args, hf, cfg: dict, probe_id: str) -> dict:
         boots.setdefault((h.get("facts") or {}).get("boot_id") or h["ssh"], []).append(h["ssh"])
     return {"hosts": hosts, "shared_machine": [v for v in boots.values() if len(v) > 1], "link": link,
             **{k: hosts[0].get(k) for k in ("trainable_params", "trainable_bytes")}, "recommendation": rec,
-            "speedup": sp, **{k: sp.get(k) for k in ("expected_speedup", "compute_bound_speedup", "link_share")}}
+            "speedup": sp,
+            **{k: sp.get(k) for k in ("expected_speedup", "compute_bound_speedup", "link_share")}}
 
 
 def orchestrate(args) -> int:
@@ -369,8 +376,8 @@ def orchestrate(args) -> int:
     except (RunbookError, ValueError) as e:
         return die(e if isinstance(e, RunbookError) else RunbookError(str(e), ANCHOR), 2)
     cfg.update(model=args.model, resume_adapter_file=None)
-    event("calibrate", hostfile=args.hostfile, world_size=hf.size, backend=hf.backend or "ring", model=args.model,
-          batch_size=cfg["batch_size"], loadavg=f"{load_start[0]:.2f}")
+    event("calibrate", hostfile=args.hostfile, world_size=hf.size, backend=hf.backend or "ring",
+          model=args.model, batch_size=cfg["batch_size"], loadavg=f"{load_start[0]:.2f}")
     try:
         measured = measure(args, hf, cfg, probe_id)
     except BaseException as e:  # leave no probe behind on any host, then say why (a bug: the traceback)

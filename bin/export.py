@@ -84,7 +84,8 @@ def resolve_settings(args) -> dict:
     for key, items in (("fields", args.field), ("roles", args.role)):
         for k, sep, v in (item.partition("=") for item in items):
             if not (sep and k and v and isinstance(s[key], dict)):
-                raise fail(f"--{key[:-1]} {k}{sep}{v}: expected KEY=VALUE, e.g. text=body", "export-bad-settings")
+                raise fail(f"--{key[:-1]} {k}{sep}{v}: expected KEY=VALUE, e.g. text=body",
+                           "export-bad-settings")
             s[key][k] = v
     s.update({k: v for k in FLAGS if (v := getattr(args, k)) is not None})
     if isinstance(s["ratios"], str):  # --ratios 0.9,0.05,0.05
@@ -136,7 +137,8 @@ def corpus_files(patterns: list[str], out: Path) -> list[dict]:
 
 
 def lines(sources: list[dict], limit: int):
-    """(path, line number, line) of each file's lines (src["lines"], src["gzip"] noted); cut at limit + 1 bytes."""
+    """(path, line number, line) of each file's lines (src["lines"], src["gzip"] noted); cut at
+    limit + 1 bytes."""
     for src in sources:
         n = 0
         try:
@@ -234,7 +236,8 @@ class Shaper:
             try:  # JSON may escape half a UTF-16 pair: such a string has no UTF-8 form
                 json.dumps(obj, ensure_ascii=False).encode()
             except UnicodeEncodeError:
-                raise Reject("non_utf8", "a lone UTF-16 surrogate escape (e.g. \\ud800): no UTF-8 form") from None
+                raise Reject("non_utf8",
+                             "a lone UTF-16 surrogate escape (e.g. \\ud800): no UTF-8 form") from None
         rid, w, src = [obj.get(f[k], MISSING) for k in ("record_id", "weight", "source")]
         if rid is not MISSING and not (type(rid) is int or type(rid) is str and rid and not rid.isspace()):
             raise Reject("bad_record_id", f"record_id {rid!r} is not a non-empty string or an integer")
@@ -271,8 +274,10 @@ def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
                 reason, detail = e.args
                 by_reason[reason] += 1
                 rej = {"file": fname, "line": n, "reason": reason, "detail": detail, "raw_bytes": len(raw),
-                       "raw": raw[:RAW_PREFIX].decode("utf-8", "backslashreplace"), "see": f"RUNBOOK.md#reject-{reason}"}
-                outs["rejects"].write(json.dumps(rej, ensure_ascii=False).encode(errors="backslashreplace") + b"\n")
+                       "raw": raw[:RAW_PREFIX].decode("utf-8", "backslashreplace"),
+                       "see": f"RUNBOOK.md#reject-{reason}"}
+                outs["rejects"].write(json.dumps(rej, ensure_ascii=False).encode(errors="backslashreplace")
+                                      + b"\n")
                 continue
             if content in contents:
                 c["duplicates"] += 1
@@ -290,7 +295,8 @@ def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
     files = {f"{k}.jsonl": {"sha256": sha256_file(f.name), "bytes": os.path.getsize(f.name),
                             "records": c.get(k, c["rejected"])} for k, f in outs.items()}
     return {
-        "dataset": name, "derived": derived, "files": files, "settings": (settings := as_json(s)), "exporter": {
+        "dataset": name, "derived": derived, "files": files,
+        "settings": (settings := as_json(s)), "exporter": {
             "script": "bin/export.py", "version": EXPORTER_VERSION, "script_sha256": sha256_file(__file__)},
         "counts": c, "rejects_by_reason": {k: v for k, v in by_reason.items() if v},
         "dataset_sha256": digest_of({f"{k}.jsonl": files[f"{k}.jsonl"]["sha256"] for k in SPLITS}),
@@ -315,11 +321,12 @@ def why_export(out: Path, args, sources: list[dict], s: dict) -> str | None:
         differ = ["corpus files"] * (have["files"] != want["files"]) + [
             k for k in DEFAULTS if have["settings"].get(k) != want["settings"].get(k)]
         raise fail(f"{paths.rel(out)} is bound to another corpus or settings ({', '.join(differ)} differ): "
-                   f"it holds {describe(m)}; this export is of {describe({'sources': sources})}. To replace it "
-                   f"on purpose: {fix}", "export-dataset-bound")
+                   f"it holds {describe(m)}; this export is of {describe({'sources': sources})}. "
+                   f"To replace it on purpose: {fix}", "export-dataset-bound")
     if m.get("exporter", {}).get("version") != EXPORTER_VERSION:
         return "another exporter version"
-    if bad := [n for n, f in m["files"].items() if not (out / n).is_file() or sha256_file(out / n) != f["sha256"]]:
+    if bad := [n for n, f in m["files"].items()
+               if not (out / n).is_file() or sha256_file(out / n) != f["sha256"]]:
         return f"damaged {', '.join(bad)}"
     event("export_unchanged", dataset=paths.rel(out), corpus_sha256=m["corpus_sha256"][:12],
           dataset_sha256=m["dataset_sha256"], why="the same corpus and settings: nothing written")
@@ -333,7 +340,8 @@ def lock_and_clean(out: Path):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise fail(f"another export of {paths.rel(out)} is running: wait for it", "export-locked") from None
-    d, name = out.parent, glob.escape(out.name)  # atomic_dir's names: .NAME.<8 characters>.tmp, .NAME.old.<pid>
+    # atomic_dir's names: .NAME.<8 characters>.tmp, .NAME.old.<pid>
+    d, name = out.parent, glob.escape(out.name)
     for p in filter(Path.is_dir, [*d.glob(f".{name}.????????.tmp"), *d.glob(f".{name}.old.*")]):
         if p.name.endswith(".tmp") or out.exists():
             shutil.rmtree(p, ignore_errors=True)
@@ -360,12 +368,13 @@ def export(out: Path, sources: list[dict], s: dict) -> dict:
         event("export_derived", **m["derived"])
         if c["rejected"] > limit:
             os.replace(tmp / "rejects.jsonl", failed)
-            raise fail(f"{c['rejected']} of {c['input']} lines rejected, over the threshold {s['max_reject_ratio']:g}"
-                       f" x input; each (file, line, reason) is in {paths.rel(failed)}: fix the corpus, remap "
-                       "fields (--field), or raise max_reject_ratio knowingly", "export-too-many-rejects")
+            raise fail(f"{c['rejected']} of {c['input']} lines rejected, over the threshold "
+                       f"{s['max_reject_ratio']:g} x input; each (file, line, reason) is in "
+                       f"{paths.rel(failed)}: fix the corpus, remap fields (--field), or raise "
+                       "max_reject_ratio knowingly", "export-too-many-rejects")
         if empty := [k for k in SPLITS if not c[k]]:
-            raise fail(f"split(s) {', '.join(empty)} would be empty with {c['exported']} exported records: add "
-                       "records or raise those ratios (--ratios)", "export-empty-split")
+            raise fail(f"split(s) {', '.join(empty)} would be empty with {c['exported']} "
+                       "exported records: add records or raise those ratios (--ratios)", "export-empty-split")
         (tmp / "manifest.json").write_text(atomic.dumps_json(m), encoding="utf-8")
     failed.unlink(missing_ok=True)
     return m

@@ -56,7 +56,8 @@ def unknowns_in(obj: dict, path: str = "") -> list[dict]:
     """Every explicit unknown in the plan's objects (no array holds one), with its dotted path."""
     if set(obj) == {"value", "unknown"} and obj["value"] is None:
         return [{"field": path, "reason": obj["unknown"]}]
-    return [u for k, v in obj.items() if isinstance(v, dict) for u in unknowns_in(v, f"{path}.{k}".lstrip("."))]
+    return [u for k, v in obj.items() if isinstance(v, dict)
+            for u in unknowns_in(v, f"{path}.{k}".lstrip("."))]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", default="stage1", help="the run whose sync, smoke and metrics are read")
     p.add_argument("--runs-dir", default=str(paths.RUNS), help="where runs, parity and calibrations live")
     p.add_argument("--max-parity-age-s", type=float, default=3600.0, help="older check-parity is stale")
-    p.add_argument("--min-speedup", type=float, default=DEFAULT_MIN_SPEEDUP, help="the speedup compare requires")
+    p.add_argument("--min-speedup", type=float, default=DEFAULT_MIN_SPEEDUP,
+                   help="the speedup compare requires")
     p.add_argument("--strict", action="store_true", help="exit 1 unless every pre-flight check passes")
     return p
 
@@ -85,7 +87,8 @@ def load_parity(c) -> dict:
     out = {k: data[k] for k in ("status", "code", "ts", "checks")} | {"file": rel}
     age = time.time() - datetime.strptime(out["ts"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
     if age > c.args.max_parity_age_s:
-        out["stale"] = f"{rel} is {age / 60:.0f} min old (limit {c.args.max_parity_age_s / 60:.0f} min): {fix}"
+        out["stale"] = (f"{rel} is {age / 60:.0f} min old "
+                        f"(limit {c.args.max_parity_age_s / 60:.0f} min): {fix}")
     return out
 
 
@@ -151,7 +154,8 @@ def model_sections(c) -> dict:
                                       f"{c.world}: fix {c.args.config}", c.per_rank),
         "total_batch_size": c.global_batch, "gradient_accumulation_steps": cfg["grad_accumulation_steps"],
         "learning_rate": float(cfg["learning_rate"]), "fits_memory": verdict(c.checks["hardware_layer"]),
-        "warmup_epochs": unknown(c.ds_why, per_step and int((cfg["lr_schedule"] or {}).get("warmup", 0)) * per_step),
+        "warmup_epochs": unknown(c.ds_why,
+                                 per_step and int((cfg["lr_schedule"] or {}).get("warmup", 0)) * per_step),
         "epochs": unknown(c.ds_why, per_step and cfg["iters"] * per_step),
         "recommended": {"per_gpu_batch_size": rec["per_rank_batch"], "gradient_accumulation_steps":
                         rec["grad_accumulation_steps"], "config_batch_size": rec["config_batch_size"],
@@ -207,7 +211,8 @@ def launch_sections(c) -> dict:
 
 def host_sections(c) -> dict:
     cal, p, s = c.cal, c.parity, c.sync
-    fit = {h["ssh"]: [r for r in h.get("sweep", []) if r["batch"] <= (c.per_rank or 0)] for h in cal.get("hosts", [])}
+    fit = {h["ssh"]: [r for r in h.get("sweep", []) if r["batch"] <= (c.per_rank or 0)]
+           for h in cal.get("hosts", [])}
     bad = sorted({x["host"] for x in parity_rows(c, CONSISTENCY) if x["status"] == "fail"})
     conc, no_sync = (cal.get("link") or {}).get("concurrent", {}), f"{paths.rel(c.run_dir)}/sync.json missing"
     notes = [f"{h['ssh']}: {h['stopped']['detail']}" for h in cal.get("hosts", []) if "stopped" in h]
@@ -215,7 +220,8 @@ def host_sections(c) -> dict:
         "sync_script": "bin/sync.py (make sync)", "command": c.cmd["sync"], "block_on_failure": True,
         "validation_checks": ["code sha256", "dataset files sha256 = manifest", "model files",
                               "probe after the transfer"],
-        "sync_status": ("success" if s["ok"] else "failed") if s else unknown(f"{no_sync}: run `{c.cmd['sync']}`"),
+        "sync_status": ("success" if s["ok"] else "failed") if s else
+                       unknown(f"{no_sync}: run `{c.cmd['sync']}`"),
         "sync_output": "; ".join(f"{h['host']}: {'verified' if h.get('verified') else 'NOT verified'}" for h
                                  in s.get("hosts", [])) + f" at {s.get('ts')}" if s else unknown(no_sync)},
         "hardware_calibration": {
@@ -226,7 +232,8 @@ def host_sections(c) -> dict:
         "workload_distribution": {h: n / c.world for h, n in c.nodes.items()},
         "macos_qos_api": "not set: the trainer runs at the default QoS class",
         "calibration_notes": "; ".join(notes + [f"link share {cal.get('link_share')}, shared machine "
-                                                f"{cal.get('shared_machine')}"]) if cal else unknown(c.cal_why),
+                                                f"{cal.get('shared_machine')}"]) if cal else
+                             unknown(c.cal_why),
         "calibration_file": cal["file"] if cal else unknown(c.cal_why)},
         "worker_consistency": {
         "validation_checks": [f"check-parity {n}" for n in CONSISTENCY], "consistency_threshold": 1.0,
@@ -274,7 +281,8 @@ def parity_layer(c, name: str, names: tuple, fix: str) -> dict:
     if "error" in p or p.get("stale") or not rows:
         return check(name, "unknown", p.get("error") or p.get("stale") or f"check-parity reported no "
                      f"{'/'.join(names)} row", c.cmd["check-parity"])
-    return check(name, "pass", f"{', '.join(names)} pass on {', '.join(c.hf.unique_ssh())} ({p['file']}, {p['ts']})")
+    return check(name, "pass", f"{', '.join(names)} pass on {', '.join(c.hf.unique_ssh())} "
+                 f"({p['file']}, {p['ts']})")
 
 
 def preflight(c) -> list[dict]:
@@ -295,15 +303,17 @@ def preflight(c) -> list[dict]:
         check("hardware_layer", "unknown", why, cc) if why else
         check("hardware_layer", "pass", f"per-rank batch {n} fits every host (largest measured {cap}; "
               f"{cal['file']})") if n <= cap else
-        check("hardware_layer", "fail", f"per-rank batch {n} does not fit: {rec['why']}", f"{edit}: batch_size "
-              f"{rec['config_batch_size']}, grad_accumulation_steps {rec['grad_accumulation_steps']}"),
+        check("hardware_layer", "fail", f"per-rank batch {n} does not fit: {rec['why']}",
+              f"{edit}: batch_size {rec['config_batch_size']}, "
+              f"grad_accumulation_steps {rec['grad_accumulation_steps']}"),
         parity_layer(c, "worker_layer", ("ssh", "runtime", "link"), pc),
         parity_layer(c, "checkpoint_layer", ("resources.disk",), f"free disk at REMOTE_ROOT; {pc}"),
         check("gradient_layer", "fail" if problems else "pass", "; ".join(problems) or f"global batch "
               f"{c.global_batch} over {c.world} ranks ({n} per rank per micro-step)", edit),
         check("performance_layer", "unknown", c.cal_why or cal["speedup"]["unknown"], cc) if exp is None else
-        check("performance_layer", "pass" if exp > c.args.min_speedup else "fail", f"expected speedup {exp:.2f}x vs "
-              f"the required {c.args.min_speedup:g}x ({cal['file']})", f"see RUNBOOK.md#{CATEGORIES[THUNDER]}; then {cc}"),
+        check("performance_layer", "pass" if exp > c.args.min_speedup else "fail",
+              f"expected speedup {exp:.2f}x vs the required {c.args.min_speedup:g}x ({cal['file']})",
+              f"see RUNBOOK.md#{CATEGORIES[THUNDER]}; then {cc}"),
         check("health_check", "fail" if p.get("code") in (2, 3) else "unknown" if unsure else "pass",
               unsure or f"check-parity {p['status']} (exit {p['code']})", pc),
         check("pre_rdma_sync", "pass" if c.sync.get("ok") and verified >= set(c.hf.unique_ssh()) else "fail",
@@ -317,8 +327,8 @@ def build_plan(args) -> dict:
     checks = list(c.checks.values())
     overall = next((s for s in ("fail", "unknown") if any(x["status"] == s for x in checks)), "pass")
     plan = {"version": VERSION,
-            "generated": {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tool": "bin/plan.py",
-                          "git": launch.git_info(), "command": c.cmd["plan"]},
+            "generated": {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                          "tool": "bin/plan.py", "git": launch.git_info(), "command": c.cmd["plan"]},
             "sources": {"hostfile": {"path": args.hostfile, "sha256": sha256_file(args.hostfile)},
                         "config": {"path": args.config, "sha256": sha256_file(args.config)},
                         "model_sha256": c.model_sha,

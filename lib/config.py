@@ -86,15 +86,19 @@ KEYS = {
     "fine_tune_type": ("lora", _in("lora", "dora", "full")), "optimizer": ("adam", _in(*OPTIMIZERS)),
     # the trainer refuses (as a config error) what mlx-lm's optimizers and build_schedule do not take
     "optimizer_config": ({k: {} for k in OPTIMIZERS}, _is("a mapping", lambda v: isinstance(v, dict))),
-    "lr_schedule": (None, _is("null or a mapping", lambda v: v is None or isinstance(v, dict))), "seed": (0, _int(0)),
+    "lr_schedule": (None, _is("null or a mapping", lambda v: v is None or isinstance(v, dict))),
+    "seed": (0, _int(0)),
     "num_layers": (16, _int(1, -1)), "batch_size": (4, _int(1)), "iters": (1000, _int(1)),
-    "val_batches": (25, _int(0, -1)), "learning_rate": (1e-5, _is("a number", lambda v: type(v) in (int, float))),
+    "val_batches": (25, _int(0, -1)),
+    "learning_rate": (1e-5, _is("a number", lambda v: type(v) in (int, float))),
     "steps_per_report": (10, _int(1)), "steps_per_eval": (200, _int(1)), "save_every": (100, _int(1)),
     "resume_adapter_file": (None, _opt_str), "test": (False, _bool), "test_batches": (500, _int(0, -1)),
-    "max_seq_length": (2048, _int(2)), "grad_checkpoint": (False, _bool), "grad_accumulation_steps": (1, _int(1)),
-    "clear_cache_threshold": (0, _int(0)), "lora_parameters": ({"rank": 8, "dropout": 0.0, "scale": 20.0}, _lora),
+    "max_seq_length": (2048, _int(2)), "grad_checkpoint": (False, _bool),
+    "grad_accumulation_steps": (1, _int(1)), "clear_cache_threshold": (0, _int(0)),
+    "lora_parameters": ({"rank": 8, "dropout": 0.0, "scale": 20.0}, _lora),
     "mask_prompt": (False, _bool), "trust_remote_code": (False, _bool), "chat_feature": ("messages", _str),
-    "prompt_feature": ("prompt", _str), "completion_feature": ("completion", _str), "text_feature": ("text", _str),
+    "prompt_feature": ("prompt", _str), "completion_feature": ("completion", _str),
+    "text_feature": ("text", _str),
     "keep_last_k": (3, _int(2)),  # checkpoints kept besides the best-by-validation and the final one
     "watchdog_s": (None, _opt_pos),  # orchestrator watchdog window (s); null = max(10 x median step, 300)
     "divergence_factor": (4.0, _num(1)),  # a loss above this x the first step's within the
@@ -176,8 +180,9 @@ def diff_keys(a: dict, b: dict) -> list[str]:
 
 def check_world(cfg: dict, world_size: int) -> None:  # batch_size is the global batch, as in mlx-lm
     if cfg["batch_size"] % world_size:
-        raise ConfigError(f"batch_size {cfg['batch_size']} is the global batch and must be divisible by the world "
-                          f"size {world_size} (each rank takes batch_size / {world_size}): use a multiple of it")
+        raise ConfigError(f"batch_size {cfg['batch_size']} is the global batch and must be divisible by the "
+                          f"world size {world_size} (each rank takes batch_size / {world_size}): "
+                          "use a multiple of it")
 
 
 def set_flag(argv: list[str], flag: str, value: object) -> list[str]:

@@ -2,7 +2,8 @@
 and check_parity read it); a missing or malformed one raises RunbookError naming the fix.
     m = read_manifest("datasets/sample")  # m["dataset_sha256"], m["files"]["train.jsonl"]["sha256"]
     binding(m)   # {"files": [[path, sha256], ...], "settings": {...}}: what the dataset is bound to
-    describe(m)  # "datasets/sample/corpus.jsonl (corpus_sha256 0b6f...) -> train 1883 / valid 105 / test 98 records"
+    describe(m)
+    # "datasets/sample/corpus.jsonl (corpus_sha256 0b6f...) -> train 1883 / valid 105 / test 98 records"
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from lib.log import DATA, failure
 def read_manifest(dataset_dir: Path | str) -> dict:
     """The manifest of the dataset in `dataset_dir`: `files` maps plain names to {sha256, bytes, records}."""
     path = Path(dataset_dir) / "manifest.json"
-    fix = f"export it again: make export CORPUS=<files> DATASET={path.parent.name} (REPLACE=1 replaces a dataset)"
+    fix = (f"export it again: make export CORPUS=<files> DATASET={path.parent.name} "
+           "(REPLACE=1 replaces a dataset)")
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -34,7 +36,8 @@ def read_manifest(dataset_dir: Path | str) -> dict:
 
 
 def binding(m: dict) -> dict:
-    """What a dataset is bound to (changed only by export --replace): its corpus files and byte-changing settings."""
+    """What a dataset is bound to (changed only by export --replace): its corpus files and byte-changing
+    settings."""
     return {"files": [[x.get("path"), x.get("sha256")] for x in m.get("sources") or []],
             "settings": {k: v for k, v in (m.get("settings") or {}).items() if k != "max_reject_ratio"}}
 
@@ -42,6 +45,8 @@ def binding(m: dict) -> dict:
 def describe(m: dict) -> str:
     """What a dataset (or an export request) holds, in one line: corpus files, corpus_sha256, records."""
     files, c = binding(m)["files"], m.get("counts")
-    names = ", ".join(str(p) for p, _ in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-    counts = f" -> train {c.get('train')} / valid {c.get('valid')} / test {c.get('test')} records" if c else ""
+    names = ", ".join(str(p) for p, _ in files[:3]) + (f" and {len(files) - 3} more"
+                                                       if len(files) > 3 else "")
+    counts = (f" -> train {c.get('train')} / valid {c.get('valid')} / test {c.get('test')} records"
+              if c else "")
     return f"{names} (corpus_sha256 {digest_of(dict(files))[:12]}){counts}"

@@ -91,7 +91,8 @@ def parse(data: object, path: str = "<hostfile>") -> Hostfile:
          f"hosts or an object of mlx.launch's backend, envs and hosts; got {str(data)[:80]}")
     backend, envs, raw = data.get("backend", ""), data.get("envs", []), data.get("hosts")
     need(backend in BACKENDS, f"{path}: backend {backend!r} unknown; use one of {', '.join(BACKENDS[1:])}")
-    bad = [e for e in envs if not (isinstance(e, str) and ENV_RE.match(e))] if isinstance(envs, list) else [envs]
+    bad = ([e for e in envs if not (isinstance(e, str) and ENV_RE.match(e))]
+           if isinstance(envs, list) else [envs])
     need(not bad, f"{path}: env entry {bad} refused: 'envs' is a list of NAME=value with a value of letters, "
          "digits and ./:,@%+=-_ only")
     need(isinstance(raw, list) and raw, f"{path}: 'hosts' must be a non-empty list")

@@ -36,8 +36,9 @@ def parts(model) -> tuple:
     """(backbone, head, softcap) of a supported model as its __call__ uses them, else a RunbookError."""
     kind = type(model).__module__
     if kind not in MODULES:
-        raise RunbookError(f"loss: chunked supports mlx-lm's {', '.join(m.rsplit('.', 1)[1] for m in MODULES)} "
-                           f"models, not {kind}.{type(model).__name__}: {DEFAULT}", ANCHOR)
+        raise RunbookError(f"loss: chunked supports mlx-lm's "
+                           f"{', '.join(m.rsplit('.', 1)[1] for m in MODULES)} models, not "
+                           f"{kind}.{type(model).__name__}: {DEFAULT}", ANCHOR)
     lm = model.language_model if kind.endswith(".gemma4") else model
     tied = lm.args.tie_word_embeddings
     head, name = (lm.model.embed_tokens, "model.embed_tokens (tied)") if tied else (lm.lm_head, "lm_head")
@@ -45,7 +46,8 @@ def parts(model) -> tuple:
         raise RunbookError(f"loss: chunked computes no gradient for the output head, but {name} is trainable "
                            f"(full fine-tuning, or LoRA keys naming the head): freeze it (LoRA) or {DEFAULT}",
                            ANCHOR)
-    if type(head) not in (nn.Embedding, nn.QuantizedEmbedding, nn.Linear, nn.QuantizedLinear) or "bias" in head:
+    if type(head) not in (nn.Embedding, nn.QuantizedEmbedding, nn.Linear,
+                          nn.QuantizedLinear) or "bias" in head:
         raise RunbookError(f"loss: chunked needs a plain or quantized head without bias, but {name} is "
                            f"{type(head).__name__}: {DEFAULT}", ANCHOR)
     return lm.model, head, getattr(lm, "final_logit_softcapping", None)
@@ -91,7 +93,8 @@ def chunks(h: mx.array, t: mx.array, m: mx.array, ops, cap, size: int, grad: boo
 
 
 def make_loss(chunk_tokens: int = CHUNK_TOKENS, grad: bool = True):
-    """A loss(model, batch, lengths) -> (loss, ntoks) equal to mlx-lm's default_loss (grad=False: evaluation)."""
+    """A loss(model, batch, lengths) -> (loss, ntoks) equal to mlx-lm's default_loss
+    (grad=False: evaluation)."""
     def loss(model, batch, lengths):
         backbone, head, cap = parts(model)
         inputs, targets = batch[:, :-1], batch[:, 1:]  # default_loss's mask and ntoks, as it builds them

@@ -13,7 +13,8 @@ from lib.log import RunbookError
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "runs"
 DATASETS = ROOT / "datasets"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a run id or dataset name: a folder on every host
+# a run id or dataset name: a folder on every host
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def calibrations():
@@ -64,5 +65,6 @@ def missing_shards(model: Path) -> list[str]:
 def require_complete(model: Path, name: str, anchor: str) -> None:
     """Refuse a sharded model folder with a shard missing (sync and check-parity, before any host)."""
     if gone := missing_shards(model):
-        raise RunbookError(f"MODEL {name} is incomplete here: model.safetensors.index.json names {', '.join(gone)}"
-                           ", not in the folder; fetch it again (make model ... REPLACE=1)", anchor)
+        raise RunbookError(f"MODEL {name} is incomplete here: model.safetensors.index.json names "
+                           f"{', '.join(gone)}, not in the folder; fetch it again (make model ... REPLACE=1)",
+                           anchor)

@@ -56,7 +56,8 @@ class Result:
 
 def run_on(host: str, argv: list[str], timeout: float = 30, local: bool | None = None,
            input: str | None = None) -> Result:
-    """Run argv on host (here for 127.0.0.1, as mlx.launch does); never raises (124: timed out, 127: no command)."""
+    """Run argv on host (here for 127.0.0.1, as mlx.launch does); never raises
+    (124: timed out, 127: no command)."""
     cmd = argv if (is_local(host) if local is None else local) else ssh_argv(host, argv)
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=input,
