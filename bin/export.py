@@ -9,8 +9,6 @@ at once: train/valid/test.jsonl (`mlx_lm lora --data DIR`), rejects.jsonl, manif
 and settings again change nothing; another corpus is refused unless --replace. See RUNBOOK.md#export.
 """
 
-from __future__ import annotations
-
 import argparse
 import fcntl
 import glob
@@ -22,6 +20,7 @@ import signal
 import sys
 import time
 import zlib
+from collections import Counter
 from fractions import Fraction
 from functools import partial
 from hashlib import sha256
@@ -46,7 +45,6 @@ DEFAULTS = {"fields": {}, "roles": {}, "ratios": {"train": 0.9, "valid": 0.05, "
             "text_user_prompt": "Write a passage from the reference documentation."}
 FLAGS = {"ratios": str, "max_reject_ratio": float, "max_chars": int, "text_system_prompt": str,
          "text_user_prompt": str}  # the settings that have a flag of their own, e.g. --max-chars
-RAW_PREFIX = 500  # bytes of a rejected line kept
 MISSING = object()
 ENC = json.encoder.encode_basestring_ascii  # a string as json.dumps writes it (pure ASCII)
 fail = partial(RunbookError, category=DATA)  # fail(message, anchor): the RUNBOOK heading names the fix
@@ -137,8 +135,7 @@ def corpus_files(patterns: list[str], out: Path) -> list[dict]:
 
 
 def lines(sources: list[dict], limit: int):
-    """(path, line number, line) of each file's lines (src["lines"], src["gzip"] noted); cut at
-    limit + 1 bytes."""
+    """(path, line number, line) of each file (src["lines"], src["gzip"] noted); cut at limit + 1 bytes."""
     for src in sources:
         n = 0
         try:
@@ -263,7 +260,7 @@ def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
     outs = {k: open(tmp / f"{k}.jsonl", "wb") for k in (*SPLITS, "rejects")}
     rids, contents, by_reason = {}, set(), dict.fromkeys(REASONS, 0)
     c = dict.fromkeys(("input", "exported", "rejected", "duplicates", *SPLITS), 0)
-    derived, shaper = dict.fromkeys(("record_id", "weight", "source"), 0), Shaper(s)
+    derived, shaper = Counter(dict.fromkeys(("record_id", "weight", "source"), 0)), Shaper(s)
     try:
         for fname, n, raw in lines(sources, shaper.limit):
             try:
@@ -274,7 +271,7 @@ def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
                 reason, detail = e.args
                 by_reason[reason] += 1
                 rej = {"file": fname, "line": n, "reason": reason, "detail": detail, "raw_bytes": len(raw),
-                       "raw": raw[:RAW_PREFIX].decode("utf-8", "backslashreplace"),
+                       "raw": raw[:500].decode("utf-8", "backslashreplace"),
                        "see": f"RUNBOOK.md#reject-{reason}"}
                 outs["rejects"].write(json.dumps(rej, ensure_ascii=False).encode(errors="backslashreplace")
                                       + b"\n")
@@ -285,8 +282,7 @@ def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
             contents.add(content)
             c[SPLITS[split]] += 1
             outs[SPLITS[split]].write(line)
-            for key in absent:
-                derived[key] += 1
+            derived.update(absent)
     finally:
         for f in outs.values():
             f.close()
@@ -381,9 +377,8 @@ def export(out: Path, sources: list[dict], s: dict) -> dict:
 
 
 def main() -> int:
-    args = build_parser().parse_args()
+    args, t0 = build_parser().parse_args(), time.monotonic()
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # unwinds: the temp folder goes
-    t0 = time.monotonic()
     try:
         out, s = paths.DATASETS / args.dataset if args.dataset else Path(args.out), resolve_settings(args)
         sources = corpus_files(args.corpus, out)
