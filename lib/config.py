@@ -180,9 +180,10 @@ def diff_keys(a: dict, b: dict) -> list[str]:
 
 def check_world(cfg: dict, world_size: int) -> None:  # batch_size is the global batch, as in mlx-lm
     if cfg["batch_size"] % world_size:
+        lo = cfg["batch_size"] - cfg["batch_size"] % world_size
         raise ConfigError(f"batch_size {cfg['batch_size']} is the global batch and must be divisible by the "
-                          f"world size {world_size} (each rank takes batch_size / {world_size}): "
-                          "use a multiple of it")
+                          f"world size {world_size} (each rank takes batch_size / {world_size}): use "
+                          f"{f'{lo} or {lo + world_size}' if lo else world_size}")
 
 
 def set_flag(argv: list[str], flag: str, value: object) -> list[str]:
