@@ -114,7 +114,7 @@ def test_sync_killed_mid_transfer_keeps_previous_dataset(fabric_faults, tmp_path
     assert {f.name: f.read_bytes() for f in ddir.iterdir()} == before
 
 
-# The 2-host smoke runs inside tests/test_demo.py::test_demo_on_two_host_fabric (same checks).
+# The 2-host smoke runs inside tests/test_real_run.py (check_smoke: the same checks).
 @pytest.mark.parametrize("n", [3])
 def test_smoke_on_fabric(fabric_faults, n):
     fabric = fabric_faults
