@@ -234,10 +234,12 @@ def oom_line(log_path: Path, offset: int = 0) -> str | None:
 
 def oom_ladder(cfg: dict, argv: list[str], world: int) -> list[str]:
     """lib.config's fallback ladder as launch commands to paste, each in its own run folder."""
-    cut, lines = argv.index("bin/train.py") + 1, []  # the trainer's flags always include --run-dir
-    for n, (what, rung) in enumerate(fallback_ladder(cfg, argv[cut:], world), 1):
-        rung = set_flag(rung, "--run-dir", f"{rung[rung.index('--run-dir') + 1]}-oom{n}")
-        lines += [f"# rung {n}: {what}", shlex.join(argv[:cut] + rung)]
+    ssh = "bin/train.py" not in argv  # one remote host: ssh's last argument is the command line (ssh_argv)
+    cmd = shlex.split(argv[-1]) if ssh else argv
+    cut, lines = cmd.index("bin/train.py") + 1, []  # the trainer's flags always include --run-dir
+    for n, (what, rung) in enumerate(fallback_ladder(cfg, cmd[cut:], world), 1):
+        rung = cmd[:cut] + set_flag(rung, "--run-dir", f"{rung[rung.index('--run-dir') + 1]}-oom{n}")
+        lines += [f"# rung {n}: {what}", shlex.join([*argv[:-1], shlex.join(rung)] if ssh else rung)]
     return lines
 
 

@@ -4,6 +4,7 @@ dataset's export command, replayed through bin/export.py)."""
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 
 from lib import launch
@@ -104,6 +105,13 @@ def test_an_oom_death_without_failure_file_is_named_and_gets_the_ladder(tmp_path
     assert len(cmds) == 2 and all(c.startswith("mlx.launch --hostfile h.json -- bin/train.py") for c in cmds)
     assert "--batch-size 2" in cmds[0] and "--grad-accumulation-steps 4" in cmds[0] and "runs/x-oom1" in cmds[0]
     assert "--max-seq-length 1024" in cmds[1]
+    # One remote host (the control on mac4): the rung is the same ssh command, its remote line changed.
+    one = launch.launch_argv("h.json", parse([{"ssh": "mac4"}]), "/p/python", "/r",
+                             ["--config", "c.yaml", "--run-dir", "runs/x-control"])
+    cmds = [shlex.split(ln) for ln in launch.oom_ladder(cfg, one, 1) if not ln.startswith("#")]
+    assert len(cmds) == 2 and all(c[:-1] == one[:-1] for c in cmds), cmds
+    remote = shlex.split(cmds[0][-1])
+    assert remote[:7] == shlex.split(one[-1])[:7] and "runs/x-control-oom1" in remote and "--batch-size" in remote
 
 
 def test_reproduce_starts_with_the_export_that_made_the_dataset(tmp_path, monkeypatch):
