@@ -85,8 +85,14 @@ KEYS = {
     "train": (True, _is("true (the trainer always trains)", lambda v: v is True)),
     "fine_tune_type": ("lora", _in("lora", "dora", "full")), "optimizer": ("adam", _in(*OPTIMIZERS)),
     # the trainer refuses (as a config error) what mlx-lm's optimizers and build_schedule do not take
-    "optimizer_config": ({k: {} for k in OPTIMIZERS}, _is("a mapping", lambda v: isinstance(v, dict))),
-    "lr_schedule": (None, _is("null or a mapping", lambda v: v is None or isinstance(v, dict))),
+    "optimizer_config": ({k: {} for k in OPTIMIZERS}, _is(
+        f"a mapping of optimizer name ({', '.join(OPTIMIZERS)}) -> mapping of keyword arguments",
+        lambda v: isinstance(v, dict) and set(v) <= set(OPTIMIZERS)
+        and all(isinstance(x, dict) for x in v.values()))),
+    "lr_schedule": (None, _is(
+        "null or a mapping with name and a non-empty list of arguments (mlx.optimizers.schedulers)",
+        lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("name"), str)
+                                and isinstance(v.get("arguments"), list) and len(v["arguments"]) > 0))),
     "seed": (0, _int(0)),
     "num_layers": (16, _int(1, -1)), "batch_size": (4, _int(1)), "iters": (1000, _int(1)),
     "val_batches": (25, _int(0, -1)),

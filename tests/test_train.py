@@ -524,6 +524,10 @@ def test_config_floats_precedence_and_strictness(tmp_path):
     with pytest.raises(C.ConfigError, match=r"c\.yaml:1: iters must be an integer >= 1, got 'ten'"):
         C.resolve(y, {"model": "m", "data": "d"})
     y.write_text("keep_last_k: 1\n")
+    with pytest.raises(C.ConfigError, match="optimizer_config must be a mapping of optimizer name"):
+        C.validate({"optimizer_config": {"adamW": {"weight_decay": 0.1}}})  # a misspelling would be ignored
+    with pytest.raises(C.ConfigError, match="lr_schedule must be null or a mapping with name"):
+        C.validate({"lr_schedule": {"name": "cosine_decay", "arguments": []}})
     with pytest.raises(C.ConfigError, match="keep_last_k must be an integer >= 2"):
         C.resolve(y, {"model": "m", "data": "d"})
     y.write_text("lora_parameters: {rank: 8, alpha: 16, dropout: 0.0}\n")
