@@ -6,7 +6,7 @@ Usage:
 Example (what `make compare RUN=stage1` runs):
     .venv/bin/python bin/compare.py --run stage1
 
-The control is the manifest's control_run, else runs/<RUN>-control/. The base model and both adapters are
+The control is runs/<RUN>-control/ (make control's run). The base model and both adapters are
 scored with mlx-lm's evaluate() on the same test batches. Writes runs/<RUN>/compare/: report.md, report.json,
 loss_curves.png. Exit 0 pass, 1 a failure verdict, 2 not comparable or an input missing.
 """
@@ -96,7 +96,7 @@ def run_facts(role: str, run_id: str) -> dict:
         "role": role, "run": run_id, "ok": bool(summary.get("ok")), "why": summary.get("why") or "",
         **{k: summary.get(k) for k in ("category", "fallback", "best_adapter", "final_step", "world_size")},
         **{k: man.get(k) for k in ("hostfile_path", "lock_sha256", "dataset", "dataset_sha256", "model",
-                                   "model_sha256", "control_run")},
+                                   "model_sha256")},
         "hosts": [h.get("ssh") for h in hostfile.get("hosts", [])], "hostfile": hostfile,
         "attempts": len(summary.get("attempts") or []), "git": man.get("git") or {},
         "config": cfg, "seed": cfg.get("seed"), "batch_size": (bs := cfg.get("batch_size")),
@@ -356,7 +356,7 @@ def main() -> int:
             raise RunbookError("--tolerance and --min-gain are fractions in [0, 1) (0.02: 2%), --min-speedup "
                                ">= 0, --test-batches -1 (all) or >= 1", "compare")
         dual = run_facts("dual", args.run)
-        control = run_facts("control", dual["control_run"] or f"{args.run}-control")
+        control = run_facts("control", f"{args.run}-control")
         data = paths.DATASETS / str(dual["dataset"])  # on disk now, it must be what the runs trained on
         on_disk = digest_of(tree_hashes(data, SPLITS)) if all((data / s).is_file() for s in SPLITS) else None
         comp = comparability(dual, control, on_disk, dual["model"] and launch.model_hash(dual["model"]))

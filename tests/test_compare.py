@@ -443,8 +443,6 @@ def write_run(world, run_id: str, role: str, *, iters: int, step_s: float, test_
            "stages": {}, "world_size": world_size, "stage": "train" if role == "dual" else "control"}
     if role == "control":
         man["control_of"] = dual_id
-    else:
-        man["control_run"] = f"{run_id}-control"
     atomic.write_json(run_dir / "manifest.json", man)
     stage = "train" if role == "dual" else "control"
     launch.write_reproduce(run_dir, stage, launch.make_cmd(stage, variables),
