@@ -75,7 +75,8 @@ def main() -> int:
     hosts = [h["ssh"] for h in (man.get("hostfile") or {}).get("hosts", [])]
     hosts = (man.get("fallback") or {}).get("hosts") or hosts  # after a fallback, rank 0 may be another host
     remote = probe(hosts[0], args.remote_root, args.python, run_rel) if hosts else None
-    src = remote or probe("127.0.0.1", str(paths.ROOT), sys.executable, run_rel)  # complete once fetched
+    src = (remote or probe("127.0.0.1", str(paths.ROOT), sys.executable, run_rel)  # complete once fetched
+           or {"metrics": [], "failures": {}, "latest": None})  # no answer here either: the rows below say so
     train = [m for m in src["metrics"] if m.get("kind") == "train"]
     val = next((m for m in reversed(src["metrics"]) if m.get("kind") == "val"), None)
     seen: dict[str, list] = {}  # per rank, from this Mac's launch log: its last 20 steps

@@ -131,7 +131,8 @@ def prune(root: os.PathLike | str, keep_last_k: int) -> list[str]:
         aside = root / f".deleting-{name}.{os.getpid()}.{time.time_ns()}"
         os.replace(root / name, aside)
         shutil.rmtree(aside, ignore_errors=True)
-    atomic.fsync_path(root)
+    if deleted:  # save() has already made the new checkpoint's name durable
+        atomic.fsync_path(root)
     return deleted
 
 

@@ -274,7 +274,7 @@ def variables(args, stage: str, **extra) -> dict:
     v = {"RUN": args.run, "HOSTFILE": args.hostfile, config: args.config, "MODEL": args.model,
          "DATASET": args.dataset, "REMOTE_ROOT": args.remote_root, "PYTHON": args.python, "SEED": args.seed,
          "WATCHDOG": args.watchdog and f"{args.watchdog:g}", "PORT": args.port, **extra}
-    return {k: str(val) for k, val in v.items() if val not in (None, "", False)}
+    return {k: str(val) for k, val in v.items() if not (val is None or val == "" or val is False)}  # 0 stays
 
 
 def make_cmd(target: str, v: dict) -> list[str]:

@@ -214,6 +214,9 @@ def test_each_stages_make_line_sets_the_config_its_recipe_reads():
         var = re.search(script + r" --config \$\((\w+)\)", text)[1]
         v = launch.variables(args, stage)
         assert v[var] == "runs/c.yaml" and list(v.values()).count("runs/c.yaml") == 1, (stage, var, v)
+    args.seed = 0  # a seed of 0 is a value the make line must carry, not an unset one
+    assert launch.variables(args, "train")["SEED"] == "0" and "SEED" not in launch.variables(
+        Namespace(**{**vars(args), "seed": None}), "train")
 
 
 def load_run_py():
