@@ -108,8 +108,10 @@ def eval_runtime(args, h: str, f: dict, facts: dict, lock: str, envs: list[str])
     first, fix = next(iter(key)), args.fix["provision"]
     py = f"PYTHON resolves to {key[h]}, but to {key[first]} on {first}" if key[h] != key[first] else ""
     have, mx, pins = f.get("packages") or {}, f.get("mlx") or {}, parity.lock_pins(lock, f["marker_env"])
-    bad = [f"{n} {have.get(n) or 'missing'} (lock {pins[n]})" for n in parity.PACKAGES
-           if n in pins and have.get(n) != pins[n]]
+    bad = [f"{n}: requirements.lock has no pin for this host's platform" for n in parity.PACKAGES[:6]
+           if n not in pins]  # the six every host needs; mlx-cpu / mlx-metal only where they apply
+    bad += [f"{n} {have.get(n) or 'missing'} (lock {pins[n]})" for n in parity.PACKAGES
+            if n in pins and have.get(n) != pins[n]]
     bad = [f"cannot list packages: {have['error']}"] if "error" in have else bad
     same = ", ".join(f"{n} {have.get(n)}" for n in parity.PACKAGES if n in pins) + " = requirements.lock"
     where, why = f"mlx.core {mx.get('version')} from {mx.get('file')}", ""
