@@ -15,6 +15,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -113,8 +114,7 @@ def resolve_settings(args) -> dict:
     return {**s, "ratios": {k: r[k] / sum(r.values()) for k in SPLITS}, "max_reject_ratio": float(mrr)}
 
 
-def as_json(s: dict) -> dict:
-    """The settings as the manifest records them (ratios as floats)."""
+def as_json(s: dict) -> dict:  # the settings as the manifest records them (ratios as floats)
     return {**s, "ratios": {k: float(v) for k, v in s["ratios"].items()}}
 
 
@@ -290,8 +290,7 @@ def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
              exported=c["train"] + c["valid"] + c["test"])
     files = {f"{k}.jsonl": {"sha256": sha256_file(f.name), "bytes": os.path.getsize(f.name),
                             "records": c.get(k, c["rejected"])} for k, f in outs.items()}
-    return {
-        "dataset": name, "derived": derived, "files": files,
+    return {"dataset": name, "derived": derived, "files": files,
         "settings": (settings := as_json(s)), "exporter": {
             "script": "bin/export.py", "version": EXPORTER_VERSION, "script_sha256": sha256_file(__file__)},
         "counts": c, "rejects_by_reason": {k: v for k, v in by_reason.items() if v},
@@ -336,9 +335,8 @@ def lock_and_clean(out: Path):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise fail(f"another export of {paths.rel(out)} is running: wait for it", "export-locked") from None
-    # atomic_dir's names: .NAME.<8 characters>.tmp, .NAME.old.<pid>
-    d, name = out.parent, glob.escape(out.name)
-    for p in filter(Path.is_dir, [*d.glob(f".{name}.????????.tmp"), *d.glob(f".{name}.old.*")]):
+    ours = re.compile(rf"\.{re.escape(out.name)}\.([0-9a-f]{{8}}\.tmp|old\.\d+)").fullmatch  # atomic_dir's
+    for p in sorted(p for p in out.parent.iterdir() if ours(p.name) and p.is_dir()):
         if p.name.endswith(".tmp") or out.exists():
             shutil.rmtree(p, ignore_errors=True)
             event("export_cleanup", removed=paths.rel(p), why="left by an interrupted export")
@@ -354,6 +352,9 @@ def export(out: Path, sources: list[dict], s: dict) -> dict:
     with atomic.atomic_dir(out) as tmp:
         m = run_export(out.name, sources, tmp, s)
         c, limit = m["counts"], s["max_reject_ratio"] * m["counts"]["input"]
+        if c["input"] == 0:
+            raise fail(f"the corpus has no lines ({', '.join(x['path'] for x in sources)}): pass the right "
+                       "CORPUS", "export-no-input")
         event("export_counts", **c)
         ok = ["ok" if c[total] == sum(c[k] for k in parts) else "MISMATCH" for total, parts in (
             ("input", ("exported", "rejected", "duplicates")), ("exported", SPLITS))]

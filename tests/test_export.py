@@ -336,6 +336,10 @@ def test_bad_settings_and_inputs_name_the_fix(tmp_path):
     p = export(write(tmp_path / "empty.jsonl", []), out=tmp_path / "ds", check=False)
     assert p.returncode == 1
     assert not (tmp_path / "ds").exists()
+    (tmp_path / "zero.jsonl").write_bytes(b"")  # no line at all: the fix is the corpus, not the ratios
+    p = export(tmp_path / "zero.jsonl", out=tmp_path / "ds", check=False)
+    assert p.returncode == 1 and "the corpus has no lines" in p.stderr
+    assert p.stderr.rstrip().endswith("see RUNBOOK.md#export-no-input") and not (tmp_path / "ds").exists()
 
 
 def test_sigterm_mid_export_removes_the_temp_folder(tmp_path, big_corpus):
@@ -371,8 +375,10 @@ def test_sigkill_mid_export_leaves_the_old_dataset_loadable(tmp_path, big_corpus
     # the next export clears what the killed one left behind
     stale = [x for x in tmp_path.iterdir() if x.name.startswith(".ds.") and x.name.endswith(".tmp")]
     assert stale
+    other = tmp_path / ".ds.old.v2.0123abcd.tmp"  # an export of dataset "ds.old.v2" in flight: not ours
+    other.mkdir()
     p = export(tmp_path / "good.jsonl", out=out)  # the same corpus: nothing to export, but the cleanup runs
-    assert "export_cleanup removed" in p.stdout and not any(x.exists() for x in stale)
+    assert "export_cleanup removed" in p.stdout and not any(x.exists() for x in stale) and other.is_dir()
     assert "export_unchanged" in p.stdout and tree_bytes(out) == before
 
 
