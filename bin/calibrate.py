@@ -62,8 +62,7 @@ def stepper(cfg: dict) -> types.SimpleNamespace:
     """bin/train.py's model preparation, optimizer and compiled step, set up as its train() does."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.tuner.trainer import grad_checkpoint
-    from mlx_lm.utils import load, maybe_set_recommended_wired_limit
+    from mlx_lm.utils import load
 
     from bin import train
 
@@ -71,10 +70,6 @@ def stepper(cfg: dict) -> types.SimpleNamespace:
                     trust_remote_code=cfg["trust_remote_code"])
     st = types.SimpleNamespace(mx=mx, model=model, cfg=cfg, optimizer=train.prepare_model(mx, model, cfg))
     mx.eval(model.parameters(), st.optimizer.state)
-    maybe_set_recommended_wired_limit()
-    if cfg["grad_checkpoint"]:
-        grad_checkpoint(model.layers[0])
-    st.state = [model.state, st.optimizer.state, mx.random.state]
     st.step, params = train.compiled_step(st), [v for _, v in tree_flatten(model.trainable_parameters())]
     st.trainable_params, st.trainable_bytes = sum(v.size for v in params), sum(v.nbytes for v in params)
     model.train()

@@ -78,12 +78,12 @@ def curve(mets: list[dict], kind: str) -> list[tuple[int, float]]:
 def run_facts(role: str, run_id: str) -> dict:
     """Everything compare needs from one run folder (raises RunbookError naming the fix)."""
     run_dir, stage = paths.RUNS / paths.check_run_id(run_id), "train" if role == "dual" else "control"
-    man, summary = (launch.read_json(run_dir / f) for f in ("manifest.json", f"{stage}.json"))
+    man, summary = (paths.read_json(run_dir / f) for f in ("manifest.json", f"{stage}.json"))
     if not (man and summary):
         bad = run_dir / ("manifest.json" if not man else f"{stage}.json")
         raise RunbookError(f"{paths.rel(bad)} {'is not a JSON object' if bad.is_file() else 'not found'}: "
                            f"run `make {stage} RUN={run_id.removesuffix('-control')}` first", ANCHOR_MISSING)
-    cfg = launch.read_json(run_dir / "adapters" / "adapter_config.json")  # the resolved config, written first
+    cfg = paths.read_json(run_dir / "adapters" / "adapter_config.json")  # the resolved config, written first
     try:
         mets = [m for m in launch.metrics(run_dir) if isinstance(m, dict)]
     except ValueError as e:

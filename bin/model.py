@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, paths  # noqa: E402
 from lib.hashing import tree_hashes  # noqa: E402
-from lib.launch import read_json  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 
 ANCHOR, GROUP_SIZE = "model", 64
@@ -68,7 +67,7 @@ def describe(repo: str, commit: str, quant: dict | None) -> str:
 
 def already_there(out: Path, repo: str, commit: str, quant: dict | None) -> bool:
     """True when out (which exists) holds exactly this model; a RunbookError if it holds anything else."""
-    prov = read_json(out / "provenance.json")  # {} when missing or unreadable
+    prov = paths.read_json(out / "provenance.json")  # {} when missing or unreadable
     have, files = (prov.get("repo"), prov.get("commit"), prov.get("quantization")), prov.get("files")
     if not isinstance(files, dict) or None in have[:2]:
         raise RunbookError(f"{out} exists but has no provenance.json from bin/model.py; {REPLACE}", ANCHOR)

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_parity(c) -> dict:
     """The check-parity result for these hosts: {file, status, code, ts, checks, stale?} or {error}."""
     path, want = Path(c.args.runs_dir) / "parity" / "last.json", sorted(set(c.hf.unique_ssh()))
-    data, rel, fix = launch.read_json(path), paths.rel(path), f"run `{c.cmd['check-parity']}`"
+    data, rel, fix = paths.read_json(path), paths.rel(path), f"run `{c.cmd['check-parity']}`"
     seen = sorted({x.get("host") for x in data.get("checks", [])} - {"-"})
     if not data:
         return {"error": f"no check-parity result ({rel} missing or unreadable): {fix}"}
@@ -97,7 +97,7 @@ def load_calibration(c) -> tuple[dict, str]:
     files, fix = sorted(Path(c.args.runs_dir).glob("calibration-*.json")), f"run `{c.cmd['calibrate']}`"
     if not files:
         return {}, f"no calibration yet: {fix}"
-    cal, rel = launch.read_json(files[-1]), paths.rel(files[-1])
+    cal, rel = paths.read_json(files[-1]), paths.rel(files[-1])
     hf, conf, model = cal.get("hostfile", {}), cal.get("config", {}), cal.get("model")
     hosts = [(h.get("ssh"), h.get("ips")) for h in hf.get("hosts", [])]
     bad = [why for ok, why in (
@@ -125,10 +125,10 @@ def gather(args) -> types.SimpleNamespace:
                               model_sha=launch.model_hash(args.model), run_dir=Path(args.runs_dir) / args.run)
     c.parity, (c.cal, c.cal_why) = load_parity(c), load_calibration(c)
     c.calibrate_longer = f"run `{cmd['calibrate']} CALIBRATE_ARGS=--budget-s=600`"
-    counts = launch.read_json(paths.DATASETS / args.dataset / "manifest.json").get("counts", {})
+    counts = paths.read_json(paths.DATASETS / args.dataset / "manifest.json").get("counts", {})
     c.train_records = counts.get("train")
     c.ds_why = f"datasets/{args.dataset}/manifest.json missing or without a train count: run `make export`"
-    c.sync, c.smoke = (launch.read_json(c.run_dir / f) for f in ("sync.json", "smoke.json"))
+    c.sync, c.smoke = (paths.read_json(c.run_dir / f) for f in ("sync.json", "smoke.json"))
     c.global_batch = cfg["batch_size"] * cfg["grad_accumulation_steps"]
     c.nodes = {h: sum(x.ssh == h for x in hf.hosts) for h in hf.unique_ssh()}  # ranks per host
     c.per_rank = cfg["batch_size"] // hf.size if cfg["batch_size"] % hf.size == 0 else None

@@ -70,7 +70,7 @@ def recover(args, hf, run_rel: str, n: int):
             args.hostfile, hf = paths.rel(path), load_hostfile(path)
             rec["fallback"] = {"lost": lost, "hosts": [h.ssh for h in hf.hosts], "hostfile": args.hostfile}
             man = paths.RUNS / args.run / "manifest.json"
-            atomic.write_json(man, {**launch.read_json(man), "fallback": rec["fallback"]})
+            atomic.write_json(man, {**paths.read_json(man), "fallback": rec["fallback"]})
     p = subprocess.run([sys.executable, "bin/check_parity.py", "--gate", "runtime", "--python", args.python,
                         "--remote-root", args.remote_root, "--json", "--hostfile", args.hostfile],
                        cwd=paths.ROOT, capture_output=True, text=True, timeout=300)

@@ -27,7 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import paths  # noqa: E402
-from lib.launch import read_json  # noqa: E402
 from lib.remote import run_on  # noqa: E402
 
 STATUS = ("OK", "WARNING", "CRITICAL", "UNKNOWN")
@@ -69,7 +68,7 @@ def probe(host: str, root: str, python: str, run_rel: str) -> dict | None:
 def main() -> int:
     args = build_parser().parse_args()
     run_dir, run_rel = paths.RUNS / paths.check_run_id(args.run), f"runs/{args.run}"
-    man = read_json(run_dir / "manifest.json")
+    man = paths.read_json(run_dir / "manifest.json")
     stage, iters = man.get("stage") or "train", man.get("iters")
     running = "ended" not in (man.get("stages") or {}).get(stage, {"ended": None})
     hosts = [h["ssh"] for h in (man.get("hostfile") or {}).get("hosts", [])]
@@ -91,7 +90,7 @@ def main() -> int:
         ranks[r] = {"last_step": rows[-1][1], "since_s": round(ago, 1), "tok_per_s": round(tokens / secs, 1)
                     if secs else None, "step_s": statistics.median(x[3] for x in tail)}
     step, step_s = (train or [{}])[-1].get("step"), ranks.get("0", {}).get("step_s")
-    verdict = {} if running else read_json(run_dir / f"{stage}.json")
+    verdict = {} if running else paths.read_json(run_dir / f"{stage}.json")
     silent = [r for r, v in ranks.items() if v["since_s"] > SILENT_S]
     code, why = next((c, w) for bad, c, w in (  # the first row that holds
         (not man, 3, f"no runs/{args.run}/manifest.json on this Mac"),

@@ -428,8 +428,16 @@ def losses(cfg: dict):
 def compiled_step(r):
     """mlx-lm's compiled step with the config's loss, the all-reduce on the CPU stream, grad_average: tokens
     (the summed token losses' gradients over the global token count) and max_grad_norm. step(batch, acc,
-    do_update) -> (loss, ntoks, acc): acc the accumulated (gradient, tokens), after an update the norm."""
+    do_update) -> (loss, ntoks, acc): acc the accumulated (gradient, tokens), after an update the norm.
+    Sets up as mlx-lm's train() does (wired limit, grad_checkpoint, r.state); calibrate measures this."""
+    from mlx_lm.tuner.trainer import grad_checkpoint
+    from mlx_lm.utils import maybe_set_recommended_wired_limit
+
     model, optimizer, cfg = r.model, r.optimizer, r.cfg
+    maybe_set_recommended_wired_limit()
+    if cfg["grad_checkpoint"]:
+        grad_checkpoint(model.layers[0])
+    r.state = [model.state, optimizer.state, mx.random.state]
     accum, clip = cfg["grad_accumulation_steps"], cfg["max_grad_norm"]
     by_tokens, loss_fn, size = cfg["grad_average"] == "tokens", losses(cfg)[0], mx.distributed.init().size()
 
@@ -500,14 +508,9 @@ def evaluate(r, step: int, split: str) -> None:
 # ---- the training loop ----------------------------------------------------------------------------
 def train(r) -> int:
     """mlx-lm's train() loop on this run's data order, with a checkpoint at every save_every."""
-    from mlx_lm.tuner.trainer import _clear_cache, grad_checkpoint, iterate_batches
-    from mlx_lm.utils import maybe_set_recommended_wired_limit
+    from mlx_lm.tuner.trainer import _clear_cache, iterate_batches
 
     cfg, coll, rep, iters = r.cfg, r.coll, r.rep, r.cfg["iters"]
-    maybe_set_recommended_wired_limit()
-    if cfg["grad_checkpoint"]:
-        grad_checkpoint(r.model.layers[0])
-    r.state = [r.model.state, r.optimizer.state, mx.random.state]
     step, t_wall = compiled_step(r), time.perf_counter()
     # ---- before step 1: the step-0 validation; the compiled step's kernels (over a minute on a fresh
     # machine) built on one local batch with beats (no all-reduce hides behind them), the RNG put back ----

@@ -55,20 +55,13 @@ def git_info() -> dict:
             "dirty": status.returncode == 0 and bool(status.stdout.strip())}
 
 
-def read_json(path: Path) -> dict:
-    with contextlib.suppress(OSError, ValueError):
-        if isinstance(data := json.loads(path.read_text()), dict):
-            return data
-    return {}
-
-
 def model_hash(model: str) -> str:
     """sha256 over the files sync ships of a model folder (cached by path, size, mtime), else "hub:<id>"."""
     if not (full := paths.ROOT / model).is_dir():  # an absolute MODEL stays itself
         return f"hub:{model}"
     files = iter_files(full, ["."])
     key = digest_of({f: f"{(st := (full / f).stat()).st_size}:{st.st_mtime_ns}" for f in files})
-    known = read_json(cache := paths.ROOT / ".stamps" / "model-hashes.json")
+    known = paths.read_json(cache := paths.ROOT / ".stamps" / "model-hashes.json")
     if known.get(str(full), {}).get("key") != key:
         known[str(full)] = {"key": key, "sha256": digest_of(tree_hashes(full, files))}
         atomic.write_json(cache, known)
@@ -77,9 +70,9 @@ def model_hash(model: str) -> str:
 
 def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, extra: dict) -> dict:
     """runs/<RUN>/manifest.json: what this run is made of, written before any rank starts."""
-    stages = read_json(run_dir / "manifest.json").get("stages", {})
+    stages = paths.read_json(run_dir / "manifest.json").get("stages", {})
     stages[stage], v = {"started": time.strftime(NOW)}, variables
-    dsha = read_json(paths.DATASETS / v["DATASET"] / "manifest.json").get("dataset_sha256", "missing")
+    dsha = paths.read_json(paths.DATASETS / v["DATASET"] / "manifest.json").get("dataset_sha256", "missing")
     man = {"run": v["RUN"], "git": git_info(), "lock_sha256": sha256_file(paths.ROOT / "requirements.lock"),
            "hostfile": hf.to_json(), "hostfile_path": v["HOSTFILE"], "variables": v, "dataset": v["DATASET"],
            "dataset_sha256": dsha, "model": v["MODEL"], "model_sha256": model_hash(v["MODEL"]),
@@ -89,7 +82,7 @@ def write_manifest(run_dir: Path, stage: str, variables: dict, hf: Hostfile, ext
 
 
 def finish_manifest(run_dir: Path, stage: str, summary: dict) -> None:
-    man = read_json(run_dir / "manifest.json")
+    man = paths.read_json(run_dir / "manifest.json")
     man.setdefault("stages", {}).setdefault(stage, {}).update(
         ended=time.strftime(NOW), ok=summary.get("ok"), category=summary.get("category"))
     atomic.write_json(run_dir / "manifest.json", man)
@@ -97,7 +90,7 @@ def finish_manifest(run_dir: Path, stage: str, summary: dict) -> None:
 
 def export_section(dataset: str) -> list[str]:
     """reproduce.sh's first section: the `make export` of datasets/<dataset> (file names by repr: 1 line)."""
-    man = read_json(paths.DATASETS / dataset / "manifest.json")
+    man = paths.read_json(paths.DATASETS / dataset / "manifest.json")
     files = [f for f in man.get("sources") or [] if isinstance(f, dict) and isinstance(f.get("path"), str)]
     head = ["# --- stage: export ---", f"# The dataset {dataset} this run used (its manifest.json):"]
     if not files:
@@ -123,7 +116,7 @@ def write_reproduce(run_dir: Path, stage: str, make_cmd: list[str], launch_cmds:
     sections[stage] = "\n".join([f"# --- stage: {stage} ---", "# The make line (re-runs it, every variable):",
                                  shlex.join(make_cmd), "# What it ran (from the repo root here):",
                                  *("# " + shlex.join(c) for c in launch_cmds)])
-    if dataset := dataset or read_json(run_dir / "manifest.json").get("dataset"):
+    if dataset := dataset or paths.read_json(run_dir / "manifest.json").get("dataset"):
         sections["export"] = "\n".join(export_section(dataset))
     keys = sorted(sections, key=lambda k: ((*STAGE_ORDER, k).index(k), k))
     atomic.write_text(path, "#!/usr/bin/env bash\n# Reproduce this run: copy a stage's make line, or run "
@@ -328,7 +321,7 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
                            capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
         fetched[host] = "ok" if p.returncode == 0 else f"rsync exit {p.returncode}: {p.stderr.strip()[:200]}"
     ev = {key: {int(f.name.split(".")[0][5:]): d for f in sorted(log_path.parent.glob(f"rank-*.{kind}.json"))
-                if (d := read_json(f)).get("launch_id") == launch_id}  # an earlier launch's are stale
+                if (d := paths.read_json(f)).get("launch_id") == launch_id}  # an earlier launch's are stale
           for key, kind in (("joined", "joined"), ("failures", "failure"))}
     ev |= {"oom_line": oom_line(log_path, offset), "swept": swept, "fetched": fetched}
     return res, ev, argv, *categorize(res, ev, hf.size)

@@ -3,6 +3,7 @@ runs/stage1-2026-11-21/, created with its logs/ folder; `paths.rel(paths.RUNS / 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,14 +18,18 @@ DATASETS = ROOT / "datasets"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object file, or {} when it is missing, unreadable or not an object."""
+    with contextlib.suppress(OSError, ValueError):
+        if isinstance(data := json.loads(path.read_text(encoding="utf-8")), dict):
+            return data
+    return {}
+
+
 def calibrations():
     """(path, document) of each runs/calibration-*.json, newest first; an unreadable one reads as {}."""
     for path in sorted(RUNS.glob("calibration-*.json"), reverse=True):
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            doc = {}
-        yield path, doc if isinstance(doc, dict) else {}
+        yield path, read_json(path)
 
 
 def is_safe_name(name: str) -> bool:

@@ -116,6 +116,9 @@ def test_the_stepper_runs_the_trainers_compiled_step(stepper):
     assert any(not mx.array_equal(before[k], after[k]).item() for k in before)  # the optimizer updated LoRA
     assert row["tokens_per_step"] == 2 * 31 and stepper.trainable_params == sum(v.size for v in before.values())
     assert stepper.trainable_bytes == sum(v.nbytes for v in before.values())
+    local = cal.measure_batch(stepper, 2, 1, update=False)  # the step without its all-reduce and update
+    still = dict(tree_flatten(stepper.model.trainable_parameters()))
+    assert all(mx.array_equal(after[k], still[k]).item() for k in after) and local["tokens_per_step"] == 2 * 31
 
 
 def test_compute_sweep_measures_up_to_max_batch(stepper):
