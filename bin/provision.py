@@ -12,6 +12,7 @@ prefix); install the lock with --require-hashes; pip check. Leaves this machine'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import platform
@@ -79,7 +80,11 @@ FIXES = {"no-python": "install Python {0} there (macOS: brew install python@{0};
          "not-a-venv": "PYTHON's folder exists but is not a venv: move it away or point PYTHON elsewhere",
          "venv-failed": "the host's Python cannot create a venv (Debian: apt-get install python{0}-venv)",
          "pip-install": "pip could not install the lock: no index access, and not this machine's platform",
-         "pip-check": "installed packages conflict: re-run with RECREATE=1"}
+         "pip-check": "installed packages conflict: re-run with RECREATE=1",
+         "cannot-create": "the venv's parent folder cannot be made: create it writable for the ssh user"
+                          " there (sudo mkdir -p DIR && sudo chown $USER DIR), or point PYTHON elsewhere",
+         "cannot-remove": "the old venv cannot be removed (permissions): remove it by hand, or point PYTHON"
+                          " elsewhere"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +154,8 @@ def provision_host(host: str, args, venv: str, marker: str) -> bool:
         argv = [args.python_version, venv, facts["base"], "1" if args.recreate else "0", wheels]
         rc, facts = run_sh(host, PROVISION_SH, argv, LOCK.read_text(encoding="utf-8"), TIMEOUT)
     err, wall = facts.get("error") or f"exit {rc}", round(time.monotonic() - t0, 1)
-    fix = FIXES.get(err.split(" ", 1)[0], "see the lines above; exit 255: make check-parity names the cause")
+    fix = FIXES.get(err.split(" ", 1)[0]) or (
+        "ssh failed (exit 255): make check-parity names the cause" if rc == 255 else "see the lines above")
     why = f"timed out after {TIMEOUT} s" if rc == -9 else f"{err}; fix: {fix.format(args.python_version)}"
     with PRINT:  # one host's outcome at a time
         if "self" in facts:  # nothing done
@@ -176,8 +182,9 @@ def main() -> int:
           lock=sha256_file(LOCK)[:12])
     # A marker file in this machine's own venv: a host that sees it (127.0.0.1, a shared disk) is skipped.
     own = os.path.realpath(venv) == os.path.realpath(sys.prefix)
-    with tempfile.NamedTemporaryFile(dir=sys.prefix if own else None, prefix=".provision-self-") as mine:
-        marker = Path(mine.name).name if own else ""
+    with (tempfile.NamedTemporaryFile(dir=sys.prefix, prefix=".provision-self-") if own
+          else contextlib.nullcontext()) as mine:
+        marker = Path(mine.name).name if mine else ""
         with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
             ok = all(list(pool.map(lambda h: provision_host(h, args, venv, marker), hosts)))
     event("provision-summary", hosts=len(hosts), ok=ok, wall_s=round(time.monotonic() - t0, 1))

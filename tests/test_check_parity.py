@@ -719,6 +719,14 @@ def test_make_check_parity_json_is_one_object(tmp_path):
     assert "bin/check_parity.py" in dry and "--json --deep" in dry
 
 
+def test_provision_names_a_venv_folder_it_cannot_create():
+    p = run([PY, "bin/provision.py", "--hostfile", "hostfile.local.json", "--python", "/proc/nope/venv/bin/python"],
+            check=False)
+    assert p.returncode == 1 and "provision host 127.0.0.1 status FAILED" in p.stdout, p.stdout
+    assert "error: 127.0.0.1: cannot-create /proc/nope; fix: the venv's parent folder cannot be made" in p.stderr
+    assert "exit 255" not in p.stderr and p.stderr.rstrip().endswith("see RUNBOOK.md#provision"), p.stderr
+
+
 def test_provision_refuses_a_python_that_is_not_a_venv(tmp_path):
     p = run([PY, "bin/provision.py", "--hostfile", "hostfile.local.json", "--python", "/usr/bin/python3"], check=False)
     assert p.returncode == 2 and "not a venv" in p.stderr and "RUNBOOK.md#provision" in p.stderr
