@@ -13,15 +13,20 @@ def dumps(obj: object) -> str:
 
 
 def read(path: os.PathLike | str) -> Iterator[dict]:
-    """Yield each object of a JSONL file; a bad line raises naming file and line."""
+    """Yield each object of a JSONL file; a bad line (or one that is not an object) raises naming file and
+    line."""
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
+                obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: invalid JSON: {e.msg}") from e
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{n}: a JSON {type(obj).__name__}, not an object: each line is one "
+                                 "record ({...}); re-export the dataset")
+            yield obj
 
 
 def write(f, records: Iterable[object]) -> None:

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -508,6 +509,18 @@ def test_missing_dataset_single_host_launch(model, cfg_path, tmp_path):
     f = failure(run_dir)
     assert f["category"] == "export format or path consistency" and f["exit_code"] == 11
     assert "no-such-dataset not found" in f["message"]
+
+
+def test_a_record_that_is_not_an_object_is_a_data_error_naming_its_line(model, data, cfg_path, tmp_path):
+    bad, run_dir = tmp_path / "data", tmp_path / "notobj"
+    shutil.copytree(data, bad)
+    lines = (bad / "valid.jsonl").read_text().splitlines(keepends=True)
+    (bad / "valid.jsonl").write_text("".join(lines[:2] + ['["a", "list"]\n'] + lines[2:]))
+    run([LAUNCH, "--hosts", "127.0.0.1", "--", PY, "bin/train.py", *train_args(cfg_path, model, bad, run_dir)],
+        check=False, timeout=120)
+    f = failure(run_dir)
+    assert f["category"] == "export format or path consistency" and f["exit_code"] == 11, f
+    assert f"{bad / 'valid.jsonl'}:3: a JSON list, not an object" in f["message"], f["message"]
 
 
 # ---- config ---------------------------------------------------------------------------------------
