@@ -84,8 +84,11 @@ def load_parity(c) -> dict:
         return {"error": f"no check-parity result ({rel} missing or unreadable): {fix}"}
     if not set(want) <= set(seen):
         return {"error": f"{rel} checked {seen}, not {want}: {fix}"}
-    out = {k: data[k] for k in ("status", "code", "ts", "checks")} | {"file": rel}
-    age = time.time() - datetime.strptime(out["ts"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    try:
+        out = {k: data[k] for k in ("status", "code", "ts", "checks")} | {"file": rel}
+        age = time.time() - datetime.strptime(out["ts"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except (KeyError, TypeError, ValueError):
+        return {"error": f"{rel} is not check-parity's output (status, code, ts, checks): {fix}"}
     if age > c.args.max_parity_age_s:
         out["stale"] = (f"{rel} is {age / 60:.0f} min old "
                         f"(limit {c.args.max_parity_age_s / 60:.0f} min): {fix}")

@@ -236,6 +236,12 @@ def test_stale_or_failing_parity(runs_dir, tmp_path):
     assert doc["worker_consistency"]["divergent_workers"] == ["127.0.0.1"]
     assert doc["worker_consistency"]["is_consistent"] is False
     assert doc["pre_flight_checklist"]["overall_status"] == "fail"
+    # a hand-edited result (a bad ts) is not check-parity's output: the plan says so, it does not stop
+    last.write_text(json.dumps({**res, "ts": "yesterday"}))
+    p, doc = plan(tmp_path / "r")
+    checks = {c["name"]: c for c in doc["pre_flight_checklist"]["checks"]}
+    assert p.returncode == 0 and checks["health_check"]["status"] == "unknown", checks["health_check"]
+    assert "is not check-parity's output" in checks["health_check"]["detail"], checks["health_check"]
 
 
 def test_schema_refuses_what_it_must(runs_dir):
