@@ -200,13 +200,18 @@ def set_flag(argv: list[str], flag: str, value: object) -> list[str]:
 
 def fallback_ladder(cfg: dict, argv: list[str], world_size: int) -> list[tuple[str, list[str]]]:
     """The out-of-memory rungs, each keeping the global batch: per-rank batch 1 with gradient accumulation
-    (iters and cadences scale: an mlx-lm iteration is one micro-batch), then also half max_seq_length."""
-    factor = max(cfg["batch_size"] // max(world_size, 1), 1)
-    accum = cfg["grad_accumulation_steps"] * factor
+    (iters and cadences scale: an mlx-lm iteration is one micro-batch), then also half max_seq_length. A
+    value the launch's argv sets (smoke's --iters) wins over the config's."""
+    def now(key: str) -> int:
+        flag = "--" + key.replace("_", "-")
+        return int(argv[argv.index(flag) + 1]) if flag in argv[:-1] else cfg[key]
+
+    factor = max(now("batch_size") // max(world_size, 1), 1)
+    accum = now("grad_accumulation_steps") * factor
     rung1 = set_flag(set_flag(list(argv), "--batch-size", world_size), "--grad-accumulation-steps", accum)
     for key in ("iters", "save_every", "steps_per_eval", "steps_per_report"):
-        rung1 = set_flag(rung1, "--" + key.replace("_", "-"), cfg[key] * factor)
-    half = max(cfg["max_seq_length"] // 2, 2)
-    first = f"per-rank batch 1, grad accumulation {accum}, global batch {cfg['batch_size']}"
+        rung1 = set_flag(rung1, "--" + key.replace("_", "-"), now(key) * factor)
+    half = max(now("max_seq_length") // 2, 2)
+    first = f"per-rank batch 1, grad accumulation {accum}, global batch {now('batch_size')}"
     rungs = [(first, rung1)] if factor > 1 else []
     return rungs + [(f"as above and max_seq_length {half}", set_flag(rung1, "--max-seq-length", half))]

@@ -621,6 +621,9 @@ def test_out_of_memory_ladder_keeps_the_global_batch():
         assert r["batch_size"] * r["grad_accumulation_steps"] == cfg["batch_size"]
         assert r["iters"] == cfg["iters"] * 4  # an mlx-lm iteration is one micro-batch
         assert r["max_seq_length"] == cfg["max_seq_length"] // (2 if n == 1 else 1)
+    # a flag of the launch (smoke's --iters 3) wins over the config's value
+    (_, rung), _ = C.fallback_ladder(cfg, [*argv, "--iters", "3"], world_size=2)
+    assert rung[rung.index("--iters") + 1] == "12" and rung.count("--iters") == 1, rung
 
 
 if __name__ == "__main__":
