@@ -290,6 +290,27 @@ def test_lock_pins_follow_the_hosts_markers():
     assert all(n in linux311 for n in ("mlx-lm", "transformers", "tokenizers", "safetensors"))
 
 
+def test_a_host_the_lock_does_not_pin_fails_runtime_packages(tmp_path):
+    """A lock resolved without this host's Python (numpy pinned for < 3.10 and >= 3.12 only) leaves a
+    3.11 host with no numpy pin: runtime.packages fails naming it, even with numpy installed."""
+    from importlib.metadata import version
+
+    from packaging.markers import default_environment
+
+    mod, lock = load_script("check_parity"), (ROOT / "requirements.lock").read_text()
+    args = parsed_args(mod, tmp_path)
+    env = dict(default_environment(), python_version="3.11", python_full_version="3.11.7")
+    f = {"python": {"realpath": "/v/bin/python3.11", "version": "3.11.7", "requested": "/v/bin/python"},
+         "packages": {n: version(n) for n in parity.PACKAGES[:7]}, "env": {}, "marker_env": env,
+         "mlx": {"ok": True, "version": version("mlx"), "file": "mlx/core.so", "device": "cpu", "seconds": 0.1}}
+    ok = {c["name"]: c for c in mod.eval_runtime(args, "h1", f, {"h1": f}, lock, [])}["runtime.packages"]
+    assert ok["status"] == "pass" and "numpy 2.4.6" in ok["detail"], ok
+    unpinned = lock.replace("numpy==2.4.6 ; python_full_version < '3.12'", "numpy==2.4.6 ; python_full_version < '3.10'")
+    c = {c["name"]: c for c in mod.eval_runtime(args, "h1", f, {"h1": f}, unpinned, [])}["runtime.packages"]
+    assert c["status"] == "fail" and "numpy: requirements.lock has no pin for this host's platform" in c["detail"], c
+    assert "make provision" in c["fix"]
+
+
 def test_probe_file_walk_matches_lib_hashing():
     """The probe cannot import lib (it runs before the code is on the host); its copy of the
     file walk must give exactly lib.hashing's list, or every host would 'differ'."""
