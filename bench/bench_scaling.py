@@ -113,7 +113,7 @@ def predicted(one: dict, allsum_s: float, control_step_s: float) -> float:
     hosts = [{"ssh": "fab1", "sweep": [{"batch": b, "step_s": one["cpu_s"]}, {"batch": 2 * b, "step_s": control_step_s}]},
              {"ssh": "fab2", "sweep": [{"batch": b, "step_s": one["cpu_s"]}]}]
     sp = cal.speedup_model({"batch_size": 2 * b, "grad_accumulation_steps": 1}, 2, hosts,
-                           {"grad_allreduce": {"mean_s": allsum_s}})
+                           {"grad_allreduce": {"cost_s": allsum_s}})
     return sp["expected_speedup"]
 
 

@@ -11,10 +11,10 @@ Example (what `make calibrate` runs after sync and check-parity):
 
 compute: one host at a time over ssh, bin/train.py's step with the config's `loss` at batch 1, 2, 4, ...
 and the config's sizes until memory (MEM_FRACTION of the ceiling) or --budget-s says stop. link: every
-rank under mlx.launch: that step at the per-rank batch with and without its update (the difference is
-the gradient all-reduce), all_sum --min-bytes..--max-bytes (busbw). expected_speedup = control step /
-dual step (see speedup_model). Writes runs/calibration-<UTC>.json.
-Exit 0 written, 1 a phase failed (nothing written), 2 bad input.
+rank under mlx.launch: that step at the per-rank batch with and without its update, the gradient
+all-reduce alone (its cost to a step: the larger of the two), all_sum --min-bytes..--max-bytes
+(busbw). expected_speedup = control step / dual step (see speedup_model).
+Writes runs/calibration-<UTC>.json. Exit 0 written, 1 a phase failed (nothing written), 2 bad input.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def measure_batch(st, b: int, steps: int, update: bool = True) -> dict:
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"the loss is {loss.item()} at batch {b}")
     step_s, toks = statistics.median(times[1:]), int(toks.item())
-    return {"batch": b, "tokens_per_step": toks, "step_s": round(step_s, 6), "compile_s": round(times[0], 4),
+    return {"batch": b, "tokens_per_step": toks, "step_s": round(step_s, 6),
+            "min_s": round(min(times[1:]), 6), "compile_s": round(times[0], 4),
             "tok_per_s": round(toks / step_s, 3), "peak_mem_bytes": int(mx.get_peak_memory())}
 
 
@@ -165,6 +166,8 @@ def rank_probe(spec: dict) -> dict | None:
     import ctypes
 
     import mlx.core as mx
+    from mlx.nn import average_gradients
+    from mlx.utils import tree_map
 
     # glibc keeps freed memory (mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD max) as Metal's buffer cache does,
     # else all_sum's times are page faults
@@ -176,16 +179,20 @@ def rank_probe(spec: dict) -> dict | None:
     if spec["per_rank_batch"]:
         st = stepper(spec["cfg"])
         row = measure_batch(st, spec["per_rank_batch"], spec["steps"])
-        local = measure_batch(st, spec["per_rank_batch"], spec["steps"], update=False)
-        each = mx.distributed.all_gather(mx.array([row["step_s"], local["step_s"]]), stream=mx.cpu).tolist()
-        full, local = each[0::2], each[1::2]
-        out["concurrent"] = {"batch": row["batch"], "step_s": full, "tokens_per_step": row["tokens_per_step"]}
-        # what the all-reduce costs a training step: the step minus the same step without its update. Timed
-        # back to back, it looked cheaper (3.4 s, not 5.2 s, on a 300 kbit/s link: TCP restarts slowly
-        # after each step's compute)
-        out["grad_allreduce"] = {"bytes": st.trainable_bytes, "mean_s": max(0.0, max(full) - max(local)),
-                                 "measured_as": "the trainer's step minus the same step without its update"}
-        del st
+        local = measure_batch(st, spec["per_rank_batch"], max(spec["steps"], 2), update=False)
+        grads = tree_map(mx.zeros_like, st.model.trainable_parameters())
+        alone = timed(mx, 2, average_gradients, grads, communication_stream=mx.cpu)[1]  # as train's step
+        each = mx.distributed.all_gather(mx.array([row["step_s"], row["min_s"], local["min_s"]]),
+                                         stream=mx.cpu).tolist()
+        out["concurrent"] = {"batch": row["batch"], "step_s": each[0::3],
+                             "tokens_per_step": row["tokens_per_step"]}
+        # What the all-reduce costs a step: at least its time alone, more when the step minus the same step
+        # without its update says so (TCP restarts slowly after each step's compute: 3.4 s alone, 5.2 s in
+        # a step on a 300 kbit/s link). The best of each: one load spike here moves neither.
+        in_step = max(each[1::3]) - max(each[2::3])
+        out["grad_allreduce"] = {"bytes": st.trainable_bytes, "cost_s": max(alone, in_step), "alone_s": alone,
+                                 "in_step_s": in_step}
+        del st, grads
         mx.clear_cache()
     n = spec["min_bytes"]
     while n < 2 * spec["max_bytes"]:
@@ -254,7 +261,7 @@ def speedup_model(cfg: dict, world: int, hosts: list[dict], link: dict | None) -
                 f"{hosts[0]['ssh']}: no compute measurement"}
     if world > 1 and not (link or {}).get("grad_allreduce"):
         return {"unknown": "no gradient all-reduce measured (the link phase did not run)"}
-    t_g = link["grad_allreduce"]["mean_s"] if world > 1 else 0.0
+    t_g = link["grad_allreduce"]["cost_s"] if world > 1 else 0.0
     conc, per_host = (link or {}).get("concurrent", {}), {}
     for h in hosts:
         c = conc.get(h["ssh"])

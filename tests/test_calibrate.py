@@ -74,7 +74,7 @@ def test_speedup_model_arithmetic():
     its all-reduce included) sets the pace; alone + the all-reduce where nothing ran concurrently."""
     cfg = {"batch_size": 8, "grad_accumulation_steps": 1}
     hosts = [host("mac4", rows((4, 1.0), (8, 2.0))), host("mac5", rows((4, 1.2), (8, 2.4)))]
-    link = {"grad_allreduce": {"mean_s": 0.1}, "allreduce": [{"bytes": 4096, "mean_s": 1e-4}]}
+    link = {"grad_allreduce": {"cost_s": 0.1}, "allreduce": [{"bytes": 4096, "mean_s": 1e-4}]}
     out = cal.speedup_model(cfg, 2, hosts, link)
     assert out["t_control_step_s"] == 2.0 and out["t_dual_step_s"] == pytest.approx(1.3)  # mac5 + the all-reduce
     assert out["expected_speedup"] == pytest.approx(2.0 / 1.3)
@@ -218,7 +218,8 @@ def test_make_calibrate_on_two_fabric_hosts(fabric, model, tmp_path):
     assert sizes[0] == 4096 and sizes[-1] == MiB and sizes == sorted(sizes)
     assert all(r["mean_s"] >= r["min_s"] > 0 for r in link["allreduce"])
     assert set(link["concurrent"]) == {"fab1", "fab2"} and link["reuse_freed_memory"] is True
-    assert link["grad_allreduce"]["bytes"] == doc["trainable_bytes"] > 0
+    g = link["grad_allreduce"]
+    assert g["bytes"] == doc["trainable_bytes"] > 0 and g["cost_s"] == max(g["alone_s"], g["in_step_s"]) > 0
     print(f"load {doc['loadavg']['start']}: all_sum best busbw {link['bandwidth_gbps']['busbw_best']:.3f} GB/s")
     assert doc["expected_speedup"] > 0 and doc["compute_bound_speedup"] >= doc["expected_speedup"]
     assert 0 <= doc["link_share"] < 1 and doc["speedup"]["dual_how"]["fab2"] == "measured with every rank computing"

@@ -157,23 +157,24 @@ def test_control_and_compare_on_the_fabric(fabric, control):
 
 
 def test_a_throttled_link_is_predicted_and_called_link_bound(fabric_faults, long_cfg, control):
-    """#19: fab2's cable throttled to 300 kbit/s (tc tbf). `make calibrate` predicts the drop (the
-    gradient all-reduce takes most of a dual step); the same training, 4 steps of it, is then slower
+    """#19: fab2's cable throttled to 200 kbit/s (tc tbf). `make calibrate` predicts the drop (the
+    gradient all-reduce takes most of a dual step); the same training, 2 steps of it, is then slower
     than the control beyond MIN_SPEEDUP, and `make compare` calls it link-bound, naming that
     calibration. The unthrottled run passes the same threshold (the test above)."""
     fabric, run = fabric_faults, "fab-long-slow"
     cfg = long_cfg.with_name("fab-long-slow.yaml")  # iters and save_every may differ: still comparable
-    cfg.write_text(long_cfg.read_text().replace("iters: 8", "iters: 4"))
+    cfg.write_text(long_cfg.read_text().replace("iters: 8", "iters: 2"))
     before = set((ROOT / "runs").glob("calibration-*.json"))
-    fabric.throttle_link("fab2", "300kbit")
+    fabric.throttle_link("fab2", "200kbit")
     t0 = time.monotonic()
     try:
         fmake(fabric, "calibrate", *fab_vars(fabric, run, CONFIG=str(cfg)),
               "CALIBRATE_ARGS=--budget-s 5 --max-batch 2 --steps 1 --max-bytes 4096")
         (cal,) = set((ROOT / "runs").glob("calibration-*.json")) - before
-        sp = json.loads(cal.read_text())["speedup"]
-        print(f"throttled calibration ({time.monotonic() - t0:.0f} s):", {k: sp.get(k) for k in ("expected_speedup", "compute_bound_speedup",
-                                                                 "link_share", "t_grad_allreduce_s")})
+        doc = json.loads(cal.read_text())
+        sp = doc["speedup"]
+        print(f"throttled calibration ({time.monotonic() - t0:.0f} s):", doc["link"]["grad_allreduce"],
+              {k: sp.get(k) for k in ("expected_speedup", "compute_bound_speedup", "link_share")})
         assert sp["link_share"] >= 0.5 and sp["expected_speedup"] < 0.5 * sp["compute_bound_speedup"], sp
         t, out = train(fabric, cfg, run)
         p, summary = finish(t, out, run)
