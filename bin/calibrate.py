@@ -181,14 +181,15 @@ def rank_probe(spec: dict) -> dict | None:
         row = measure_batch(st, spec["per_rank_batch"], spec["steps"])
         local = measure_batch(st, spec["per_rank_batch"], max(spec["steps"], 2), update=False)
         grads = tree_map(mx.zeros_like, st.model.trainable_parameters())
-        alone = timed(mx, 2, average_gradients, grads, communication_stream=mx.cpu)[1]  # as train's step
+        alone = timed(mx, 1, average_gradients, grads, communication_stream=mx.cpu)[1]  # as train's step
         each = mx.distributed.all_gather(mx.array([row["step_s"], row["min_s"], local["min_s"]]),
                                          stream=mx.cpu).tolist()
         out["concurrent"] = {"batch": row["batch"], "step_s": each[0::3],
                              "tokens_per_step": row["tokens_per_step"]}
         # What the all-reduce costs a step: at least its time alone, more when the step minus the same step
         # without its update says so (TCP restarts slowly after each step's compute: 3.4 s alone, 5.2 s in
-        # a step on a 300 kbit/s link). The best of each: one load spike here moves neither.
+        # a step on a 300 kbit/s link). Each step time is its best: a load spike on the step without its
+        # update once hid a 3.4 s all-reduce (0.6 s); the time alone is the floor.
         in_step = max(each[1::3]) - max(each[2::3])
         out["grad_allreduce"] = {"bytes": st.trainable_bytes, "cost_s": max(alone, in_step), "alone_s": alone,
                                  "in_step_s": in_step}
