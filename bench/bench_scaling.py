@@ -2,11 +2,11 @@
 """bench_scaling: dual / control on 2 pinned fabric hosts, and calibrate's prediction of it.
 
 Usage:
-    python bench/bench_scaling.py [--width 512] [--layers 4] [--batch 64] [--steps 6] [--runs 2]
+    python bench/bench_scaling.py [--width 512] [--layers 4] [--batch 64] [--steps 6] [--runs 4]
                                   [--throttle-mbit M]
 
 Example (what `make bench` runs through bench/run_all.py):
-    .venv/bin/python bench/bench_scaling.py --runs 2
+    .venv/bin/python bench/bench_scaling.py --runs 4
 
 A compute-bound training step (an MLP of --layers x --width, nn.value_and_grad, SGD) stands for the
 trainer's: the control runs it at the global batch 2 x --batch on one core (`taskset -c 0`); the dual
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, default, what in (("--width", 512, "MLP width"), ("--layers", 4, "MLP layers"),
                                 ("--batch", 64, "per-rank batch (the control runs 2x)"),
-                                ("--steps", 6, "timed steps per run"), ("--runs", 2, "alternating pairs")):
+                                ("--steps", 6, "timed steps per run"), ("--runs", 4, "alternating pairs")):
         p.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
     p.add_argument("--throttle-mbit", type=float, help="cap each host's veth with `tc ... tbf` (a slow link)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # one rank's (or the control's) loop

@@ -17,7 +17,7 @@ Benchmarks, in order (NAME: what runs):
     trainer       bench/bench_trainer.py --config configs/demo.yaml --iters 20 --runs 2
                   (bin/train.py vs raw `mlx_lm lora`, and the checkpoint overhead)
     loss          bench/bench_loss.py: chunked loss vs default_loss, peak memory and step time
-    scaling       bench/bench_scaling.py --runs 2: dual / control on 2 pinned fabric hosts and
+    scaling       bench/bench_scaling.py --runs 4: dual / control on 2 pinned fabric hosts and
                   calibrate's prediction of it (pinned_dual_speedup, speedup_prediction_error)
     smoke         `make smoke` on 2 fabric hosts: wall clock against its two trainer launches
 smoke runs on a 3-host fabric this script brings up (runs/fabric-bench-all-<pid>) and
@@ -66,7 +66,7 @@ EXTERNAL = [
     ("sync", ["bench/bench_sync.py", "--mb", "200"], 150),
     ("trainer", ["bench/bench_trainer.py", "--config", "configs/demo.yaml", "--iters", "20", "--runs", "2"], 240),
     ("loss", ["bench/bench_loss.py"], 120),
-    ("scaling", ["bench/bench_scaling.py", "--runs", "2"], 90),  # its own 2-host pinned fabric
+    ("scaling", ["bench/bench_scaling.py", "--runs", "4"], 90),  # its own 2-host pinned fabric
 ]
 FABRIC = [("smoke", 240)]
 NAMES = [n for n, *_ in EXTERNAL] + [n for n, _ in FABRIC]
