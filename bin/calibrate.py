@@ -149,14 +149,14 @@ def compute_probe(spec: dict) -> dict:
 
 
 # ---- host side: every rank at once under mlx.launch -------------------------------------------
-def timed(mx, reps: int, fn, *args, **kw) -> list[float]:
-    """[mean, best] seconds of fn after a warm-up call, each the slowest rank's (a collective's time)."""
+def timed(mx, reps: int, fn, *args, warm: int = 1, **kw) -> list[float]:
+    """[mean, best] seconds of fn after `warm` warm-up calls, each the slowest rank's (a collective's)."""
     each = []
-    for _ in range(reps + 1):
+    for _ in range(reps + warm):
         t0 = time.perf_counter()
         mx.eval(fn(*args, **kw))
         each.append(time.perf_counter() - t0)
-    return mx.distributed.all_max(mx.array([statistics.mean(each[1:]), min(each[1:])]),
+    return mx.distributed.all_max(mx.array([statistics.mean(each[warm:]), min(each[warm:])]),
                                   stream=mx.cpu).tolist()
 
 
@@ -179,17 +179,18 @@ def rank_probe(spec: dict) -> dict | None:
     if spec["per_rank_batch"]:
         st = stepper(spec["cfg"])
         row = measure_batch(st, spec["per_rank_batch"], spec["steps"])
-        local = measure_batch(st, spec["per_rank_batch"], max(spec["steps"], 2), update=False)
+        local = measure_batch(st, spec["per_rank_batch"], spec["steps"], update=False)
         grads = tree_map(mx.zeros_like, st.model.trainable_parameters())
-        alone = timed(mx, 1, average_gradients, grads, communication_stream=mx.cpu)[1]  # as train's step
+        # train's all-reduce, timed once with no warm-up call: the steps above already ran it
+        alone = timed(mx, 1, average_gradients, grads, warm=0, communication_stream=mx.cpu)[1]
         each = mx.distributed.all_gather(mx.array([row["step_s"], row["min_s"], local["min_s"]]),
                                          stream=mx.cpu).tolist()
         out["concurrent"] = {"batch": row["batch"], "step_s": each[0::3],
                              "tokens_per_step": row["tokens_per_step"]}
         # What the all-reduce costs a step: at least its time alone, more when the step minus the same step
         # without its update says so (TCP restarts slowly after each step's compute: 3.4 s alone, 5.2 s in
-        # a step on a 300 kbit/s link). Each step time is its best: a load spike on the step without its
-        # update once hid a 3.4 s all-reduce (0.6 s); the time alone is the floor.
+        # a step on a 300 kbit/s link). The time alone is the floor: a load spike on the step without its
+        # update once made the difference 0.6 s for a 3.4 s all-reduce.
         in_step = max(each[1::3]) - max(each[2::3])
         out["grad_allreduce"] = {"bytes": st.trainable_bytes, "cost_s": max(alone, in_step), "alone_s": alone,
                                  "in_step_s": in_step}

@@ -163,7 +163,7 @@ def test_a_throttled_link_is_predicted_and_called_link_bound(fabric_faults, long
     calibration. The unthrottled run passes the same threshold (the test above)."""
     fabric, run = fabric_faults, "fab-long-slow"
     cfg = long_cfg.with_name("fab-long-slow.yaml")  # iters and save_every may differ: still comparable
-    cfg.write_text(long_cfg.read_text().replace("iters: 8", "iters: 2"))
+    cfg.write_text(long_cfg.read_text().replace("iters: 8", "iters: 2"))  # step 1's time is not counted
     before = set((ROOT / "runs").glob("calibration-*.json"))
     fabric.throttle_link("fab2", "200kbit")
     t0 = time.monotonic()
