@@ -85,7 +85,7 @@ def run_facts(role: str, run_id: str) -> dict:
                            f"run `make {stage} RUN={run_id.removesuffix('-control')}` first", ANCHOR_MISSING)
     cfg = paths.read_json(run_dir / "adapters" / "adapter_config.json")  # the resolved config, written first
     try:
-        mets = [m for m in launch.metrics(run_dir) if isinstance(m, dict)]
+        mets = launch.metrics(run_dir)  # lib.jsonl.read refuses a line that is not an object
     except ValueError as e:
         raise RunbookError(f"{e}: re-run its stage", ANCHOR_MISSING) from e
     adapter = paths.ROOT / summary["adapter"] if summary.get("adapter") else run_dir / "adapters"

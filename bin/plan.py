@@ -79,16 +79,16 @@ def load_parity(c) -> dict:
     """The check-parity result for these hosts: {file, status, code, ts, checks, stale?} or {error}."""
     path, want = Path(c.args.runs_dir) / "parity" / "last.json", sorted(set(c.hf.unique_ssh()))
     data, rel, fix = paths.read_json(path), paths.rel(path), f"run `{c.cmd['check-parity']}`"
-    seen = sorted({x.get("host") for x in data.get("checks", [])} - {"-"})
     if not data:
         return {"error": f"no check-parity result ({rel} missing or unreadable): {fix}"}
-    if not set(want) <= set(seen):
-        return {"error": f"{rel} checked {seen}, not {want}: {fix}"}
     try:
+        seen = sorted({x.get("host") for x in data.get("checks", [])} - {"-"})
         out = {k: data[k] for k in ("status", "code", "ts", "checks")} | {"file": rel}
         age = time.time() - datetime.strptime(out["ts"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
-    except (KeyError, TypeError, ValueError):
+    except (AttributeError, KeyError, TypeError, ValueError):
         return {"error": f"{rel} is not check-parity's output (status, code, ts, checks): {fix}"}
+    if not set(want) <= set(seen):
+        return {"error": f"{rel} checked {seen}, not {want}: {fix}"}
     if age > c.args.max_parity_age_s:
         out["stale"] = (f"{rel} is {age / 60:.0f} min old "
                         f"(limit {c.args.max_parity_age_s / 60:.0f} min): {fix}")

@@ -242,6 +242,10 @@ def test_stale_or_failing_parity(runs_dir, tmp_path):
     checks = {c["name"]: c for c in doc["pre_flight_checklist"]["checks"]}
     assert p.returncode == 0 and checks["health_check"]["status"] == "unknown", checks["health_check"]
     assert "is not check-parity's output" in checks["health_check"]["detail"], checks["health_check"]
+    last.write_text(json.dumps({**res, "checks": ["not", "a", "check"]}))  # checks that are not objects
+    p, doc = plan(tmp_path / "r")
+    health = {c["name"]: c for c in doc["pre_flight_checklist"]["checks"]}["health_check"]
+    assert p.returncode == 0 and "is not check-parity's output" in health["detail"], health
 
 
 def test_schema_refuses_what_it_must(runs_dir):
