@@ -283,6 +283,16 @@ DEMO_REMOTE_ROOT ?= $(CURDIR)
 DEMO_VARS = RUN=$(DEMO_RUN) HOSTFILE=$(DEMO_HOSTFILE) REMOTE_ROOT=$(DEMO_REMOTE_ROOT) \
 	PYTHON=$(CURDIR)/$(VENV)/bin/python MODEL=models/tiny-gemma4 CONFIG=configs/demo.yaml \
 	CORPUS=datasets/sample/corpus.jsonl DATASET=demo MIN_SPEEDUP=0 SETTINGS=/dev/null
+# Before a minute goes on the venv, `make demo` checks what it needs besides make: a Python >= 3.11
+# (bin/find_python.sh) and rsync (sync copies through it, to 127.0.0.1 too). Each missing one is
+# named with the command that installs it (README.md#requirements).
+ifneq ($(filter demo,$(MAKECMDGOALS)),)
+demo_python := $(if $(shell bash bin/find_python.sh $(BOOTSTRAP_PYTHON) 2>/dev/null),,Python-3.11)
+demo_rsync  := $(if $(RSYNC)$(shell command -v rsync 2>/dev/null),,rsync)
+$(if $(demo_python),$(warning missing: Python >= 3.11 (with venv): install it with `sudo apt-get install -y python3 python3-venv` (Debian/Ubuntu) or `brew install python@3.12` (macOS), or name one with BOOTSTRAP_PYTHON=/path/to/python3))
+$(if $(demo_rsync),$(warning missing: rsync: install it with `sudo apt-get install -y rsync` (Debian/Ubuntu); macOS ships it; or name one with RSYNC=/path/to/rsync))
+$(if $(demo_python)$(demo_rsync),$(error make demo stopped before building anything: install what is missing (above); see README.md$(HASH)requirements))
+endif
 .PHONY: demo
 demo: $(VENV)/.stamp
 	$(MAKE) --no-print-directory tiny-model sample-corpus ARCH=gemma4
@@ -311,10 +321,11 @@ fabric-down:
 lint: $(VENV)/.stamp
 	$(VENV)/bin/ruff check bin lib tests bench demo
 
-## bench: run the benchmarks in bench/ (each prints a ratio against a same-run baseline)
+## bench: build the tiny model and datasets/bench, then run bench/ (ratios against same-run baselines; BENCH_ARGS=--quick: each row once, smallest sizes)
+BENCH_ARGS ?=
 .PHONY: bench
 bench: $(VENV)/.stamp
-	$(PY) bench/run_all.py
+	$(PY) bench/run_all.py$(if $(BENCH_ARGS), $(BENCH_ARGS))
 
 ## clean: remove stamps and generated models (keeps .venv, datasets and runs)
 .PHONY: clean

@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-batches", type=int, default=2, help="to both tools (default 2; -1 = the config's)")
     p.add_argument("--test-batches", type=int, default=2, help="to both tools (default 2; -1 = the config's)")
     p.add_argument("--model", default="models/tiny-gemma4")
-    p.add_argument("--data", default="datasets/domain_sft_v1_high_signal_thunder")
+    p.add_argument("--data", default="datasets/bench", help="an exported dataset (make bench exports datasets/bench)")
     p.add_argument("--hostfile", default="hostfile.local.json")
     p.add_argument("--min-ratio", type=float, default=0.97)
     p.add_argument("--max-ckpt-pct", type=float, default=3.0)

@@ -76,8 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- inputs ------------------------------------------------------------------------------------
 def load_parity(c) -> dict:
-    """The check-parity result for these hosts: {file, status, code, ts, checks, stale?} or {error}."""
-    path, want = Path(c.args.runs_dir) / "parity" / "last.json", sorted(set(c.hf.unique_ssh()))
+    """The check-parity result for these hosts: {file, status, code, ts, checks, stale?} or {error}.
+    The newer of the scheduled check's (runs/parity/) and the run's own launch gate's (runs/RUN/parity/)."""
+    runs, want = Path(c.args.runs_dir), sorted(set(c.hf.unique_ssh()))
+    gates = (runs / c.args.run / "parity" / "last.json", runs / "parity" / "last.json")
+    found = [p for p in gates if p.is_file()]
+    path = max(found, key=lambda p: p.stat().st_mtime) if found else runs / "parity" / "last.json"
     data, rel, fix = paths.read_json(path), paths.rel(path), f"run `{c.cmd['check-parity']}`"
     if not data:
         return {"error": f"no check-parity result ({rel} missing or unreadable): {fix}"}

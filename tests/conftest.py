@@ -129,3 +129,17 @@ def fabric_faults(fabric):
     """The session fabric, with every fault a test injected undone afterwards (pass or fail)."""
     yield fabric
     fabric.restore_all()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    """Say, at the end, how many fabric tests were skipped and why (README.md#requirements)."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", [])
+               if "multi-host fabric unavailable" in str(getattr(r, "longrepr", ""))]
+    if skipped:
+        why = sorted({str(r.longrepr[2] if isinstance(r.longrepr, tuple) else r.longrepr) for r in skipped})
+        terminalreporter.write_sep("=", f"{len(skipped)} fabric tests skipped", yellow=True)
+        for w in why:
+            terminalreporter.write_line(w.removeprefix("Skipped: "))
+        terminalreporter.write_line("what the fabric needs, and its one-line install: README.md#requirements "
+                                    "(CI sets REQUIRE_FABRIC=1, where a skip is a failure)")
