@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, config, jsonl, launch, paths  # noqa: E402
+from lib import atomic, chat, config, jsonl, launch, paths  # noqa: E402
 from lib.hashing import digest_of, tree_hashes  # noqa: E402
 from lib.log import FAILURES, STABILITY, RunbookError, anchor_of, die, event  # noqa: E402
 
@@ -250,7 +250,6 @@ def exactness(dual: dict, control: dict) -> dict | None:
 def evaluate_models(model: str, adapters: dict, data_dir: Path, cfg: dict, test_batches: int) -> dict:
     """Test loss of the base model and each adapter on the same seeded batches (fingerprinted)."""
     import numpy as np
-    from mlx_lm.tuner.datasets import CacheDataset, create_dataset
     from mlx_lm.tuner.trainer import default_loss, evaluate, iterate_batches
     from mlx_lm.utils import load
 
@@ -261,7 +260,7 @@ def evaluate_models(model: str, adapters: dict, data_dir: Path, cfg: dict, test_
     for name, adapter in [("base", None), *((k, a) for k, a in adapters.items() if a)]:
         mdl, tokenizer = load(str(local) if local.exists() else model,
                               adapter_path=str(paths.ROOT / adapter) if adapter else None)
-        test_set = test_set or CacheDataset(create_dataset(records, tokenizer, argparse.Namespace(**cfg)))
+        test_set = test_set or chat.dataset(records, tokenizer, cfg)  # the format the adapters trained in
         h, ntoks = hashlib.sha256(), []
 
         def loss(m, batch, lengths, h=h, ntoks=ntoks):
@@ -320,8 +319,17 @@ def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v
         "evaluation": ev and {**ev, "models": rows, "split": f"datasets/{dual['dataset']}/test.jsonl"},
         "runs": {r["role"]: {k: x for k, x in r.items() if k not in ("metrics", "config")}
                  for r in (dual, control)},
-        "reproduce_compare": shlex.join(cmd),
+        "reproduce_compare": shlex.join(cmd), "serve": serve_lines(dual),
     }
+
+
+def serve_lines(dual: dict) -> list[str]:
+    """mlx-lm's commands that serve the dual adapter in the chat format it was trained in."""
+    args = json.dumps((dual["config"] or {}).get("chat_template_args") or {})
+    base = ["--model", str(dual["model"]), "--adapter-path", str(dual["adapter"] or dual["best_adapter"])]
+    return [f"# Serve the adapter in its training format (chat_template_args {args}):",
+            shlex.join(["mlx_lm", "generate", *base, "--chat-template-config", args, "--prompt", "Hello"]),
+            shlex.join(["mlx_lm.server", *base, "--chat-template-args", args])]
 
 
 def render_md(rep: dict) -> str:
@@ -332,7 +340,8 @@ def render_md(rep: dict) -> str:
                            if st not in ("export", "compare"))
     L = [f"# Promotion report: `{rep['run']}` vs control `{rep['control_run']}`", "",
          f"**Verdict: {rep['verdict']}**{see}", "", *[f"- {r}" for r in rep["reasons"]], "",
-         "## Reproduce", "", "```bash", *rep["export"]["lines"], *stages, rep["reproduce_compare"], "```", "",
+         "## Reproduce", "", "```bash", *rep["export"]["lines"], *stages, rep["reproduce_compare"],
+         *rep["serve"], "```", "",
          "## Metrics", "", f"Speedup {fmt(tp['speedup'], '.2f')}x, "
          f"scaling efficiency {fmt(tp['scaling_efficiency'], '.2f')}.", "",
          "| model | test loss | train tok/s | adapter |", "|---|---|---|---|"]

@@ -22,11 +22,11 @@ from pathlib import Path
 from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, RevisionResolutionError
 from mlx_lm import convert
-from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, paths  # noqa: E402
+from lib import atomic, chat, paths  # noqa: E402
 from lib.hashing import tree_hashes  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 
@@ -111,10 +111,10 @@ def main() -> int:
                 with contextlib.redirect_stdout(sys.stderr):
                     convert(hf_path=str(snapshot), mlx_path=str(tmp), quantize=True, q_bits=args.quantize,
                             q_group_size=GROUP_SIZE)
-            files = hashes(tmp)
+            files, tpl = hashes(tmp), chat.template_facts(load_tokenizer(tmp))  # sha256, thinking, variant
             atomic.write_json(tmp / "provenance.json", {
                 "fetched_by": "bin/model.py", "repo": args.repo, "revision": args.revision, "commit": commit,
-                "quantization": quant, "repo_quantization": config.get("quantization"),
+                "quantization": quant, "repo_quantization": config.get("quantization"), "chat_template": tpl,
                 "tools": {m: pkg_version(m) for m in ("mlx", "mlx_lm", "huggingface_hub")}, "files": files})
     except RunbookError as e:
         return die(e)
@@ -123,6 +123,7 @@ def main() -> int:
                                 "has room for the model twice (the cache and MODEL)", ANCHOR))
     event("model", status="fetched", repo=args.repo, revision=args.revision, commit=commit,
           quantize=args.quantize or "none", files=len(files), out=paths.rel(args.out),
+          chat_template=json.dumps(tpl),
           bytes=sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file()))
     return 0
 

@@ -92,7 +92,8 @@ def main() -> int:
     v = launch.variables(args, args.stage, RESUME=args.resume and "1", RESTARTS=args.restarts,
                          FALLBACK=args.fallback and "1", **dual)
     launch.write_manifest(run_dir, args.stage, v, hf, {"world_size": hf.size, "stage": args.stage,
-                                                      "iters": cfg["iters"], "control_of": dual.get("RUN")})
+                                                      "iters": cfg["iters"], "control_of": dual.get("RUN"),
+                                                      "chat_template_args": cfg["chat_template_args"]})
     targs = launch.trainer_args(args, run_rel, args.config, resume=args.resume)
     argv = launch.launch_argv(args.hostfile, hf, args.python, args.remote_root, targs, args.port)
     launch.write_reproduce(run_dir, args.stage, launch.make_cmd(args.stage, v), [argv], args.dataset)

@@ -17,6 +17,7 @@ the resume continued the step count), runs/<RUN>/smoke.json, and exit 0 only whe
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -45,7 +46,8 @@ def main() -> int:
     except (RunbookError, ValueError) as e:
         return die(e, 2)
     run_dir, run_rel, v = paths.run_dir(args.run), f"runs/{args.run}/smoke", launch.variables(args, "smoke")
-    man = launch.write_manifest(run_dir, "smoke", v, hf, {"world_size": hf.size})
+    man = launch.write_manifest(run_dir, "smoke", v, hf, {"world_size": hf.size,
+                                                           "chat_template_args": cfg["chat_template_args"]})
     targs = launch.trainer_args(args, run_rel, args.config, iters=save_every)
     res, ev, argv, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, "launch-1.log")
     res2, ev2, argv2 = None, {"joined": {}}, None
@@ -74,9 +76,14 @@ def main() -> int:
     }
     for name, (ok, detail) in crit.items():
         event("smoke-check", name=name, status="ok" if ok else "FAIL", detail=detail)
+    if fmt := joined.get(0, {}).get("chat_format"):  # rank 0's first train record, as the trainer rendered it
+        rec = fmt["first_record"]
+        event("smoke-chat-format", chat_template_args=json.dumps(fmt["chat_template_args"]),
+              has_thinking=fmt["has_thinking"], tokens=rec["tokens"], loss_from=rec["loss_from"],
+              text=json.dumps(rec["text"][:100]))
     summary = launch.summarize(res2 or res, cat, why, {
         "stage": "smoke", "run": args.run, "run_dir": run_rel, "world_size": hf.size, "swept": ev["swept"],
-        "criteria": {k: {"ok": c, "detail": d} for k, (c, d) in crit.items()},
+        "criteria": {k: {"ok": c, "detail": d} for k, (c, d) in crit.items()}, "chat_format": fmt,
         "launches": [{"returncode": r.returncode, "wall_s": round(r.wall_s, 3)} for r in (res, res2) if r],
         "total_wall_s": round(time.time() - t0, 3), "ok": cat is None and all(ok for ok, _ in crit.values())})
     return launch.conclude(run_dir, "smoke", summary, cfg, argv2 or argv, hf.size)

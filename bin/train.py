@@ -43,7 +43,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, jsonl  # noqa: E402
+from lib import atomic, chat, jsonl  # noqa: E402
 from lib import checkpoint as ckpt  # noqa: E402
 from lib import config as C  # noqa: E402
 from lib.hashing import digest_of, sha256_file  # noqa: E402
@@ -226,7 +226,6 @@ def load_all(r) -> None:
                             "`make tiny-model` or `make sync SYNC_MODEL=1`")
     with rep.beating("load-model"):  # mlx-lm's import alone takes seconds
         try:
-            from mlx_lm.tuner.datasets import CacheDataset, create_dataset
             from mlx_lm.utils import load
 
             r.model, tokenizer = load(m, tokenizer_config={"trust_remote_code": cfg["trust_remote_code"]},
@@ -234,13 +233,14 @@ def load_all(r) -> None:
         except (FileNotFoundError, ValueError, OSError) as e:
             raise failure(DATA, f"model {m} does not load on {host} ({type(e).__name__}: {e}); run "
                                 "`make sync SYNC_MODEL=1`") from e
+    chat.check_choice(tokenizer, cfg)
     rep.beat("tokenize", 0.0)
     bs, r.sets, r.counts, r.tokens, hashes, long = cfg["batch_size"], {}, {}, {}, {}, 0
     for split in SPLITS:
         path, lengths = d / f"{split}.jsonl", []
         try:
             recs = list(jsonl.read(path)) if path.is_file() else []
-            ds = CacheDataset(create_dataset(recs, tokenizer, types.SimpleNamespace(**cfg))) if recs else None
+            ds = chat.dataset(recs, tokenizer, cfg) if recs else None
         except (ValueError, UnicodeDecodeError) as e:
             raise failure(DATA, str(e) if str(path) in str(e) else f"{path}: {e}") from e
         for i in range(len(recs)):
@@ -262,6 +262,7 @@ def load_all(r) -> None:
     if r.sets["valid"] is None and cfg["val_batches"] != 0:
         rep.warn(f"{d}/valid.jsonl missing or empty: training proceeds without validation")
     r.ds_sha = digest_of(hashes)  # export's dataset_sha256 (its manifest's, while the bytes are intact)
+    r.chat_format = chat.chat_format(tokenizer, r.sets["train"], cfg)
     r.optimizer = prepare_model(mx, r.model, cfg)
 
 
@@ -353,7 +354,8 @@ def setup(args, coll: Group, rep: Reporter):
     cfg, bs, val, r.chash = r.cfg, r.cfg["batch_size"], r.sets["valid"], C.config_hash(r.cfg)
     atomic.write_json(rep.marker("joined"), {**joined, "phase": "data-loaded", "data": cfg["data"],
                                              "records": sum(r.counts.values()), "records_by_split": r.counts,
-                                             "tokens_by_split": r.tokens, "dataset_sha256": r.ds_sha})
+                                             "tokens_by_split": r.tokens, "dataset_sha256": r.ds_sha,
+                                             "chat_format": r.chat_format})
     rep.line("data", rank=coll.rank, **r.counts, train_tokens=r.tokens["train"], dataset_sha256=r.ds_sha)
     # ---- a fresh start or a resume: rank 0 picks the checkpoint, every rank takes it ----
     r.n_batches, resume = len(r.sets["train"]) // bs, args.resume

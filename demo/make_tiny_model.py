@@ -41,7 +41,7 @@ from lib.hashing import sha256_file  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 
 GENERATOR = "demo/make_tiny_model.py"
-VERSION = 2
+VERSION = 3
 ANCHOR = "generated-inputs"
 INIT_STD = 0.02
 GROUP_SIZE = 64  # mlx-lm's default affine group size (mlx_lm convert -q)
@@ -85,14 +85,64 @@ def chat_template(assistant: str, head: str, tail: str) -> str:
     ).replace("@A@", assistant).replace("@H@", head).replace("@T@", tail)
 
 
+def gemma4_template(variant: str) -> str:
+    """Gemma 4's turn format in Jinja, written here from its description (not Google's template): <bos>;
+    a system turn when the first message is system/developer or enable_thinking is on (<|think|> first in
+    it); `<|turn>ROLE\n` + trimmed content + `<turn|>\n` per message, the assistant's role written `model`
+    and its thought channels (<|channel>...<channel|>) dropped; add_generation_prompt opens `<|turn>model\n`,
+    and in the launch variant, with thinking off, an empty thought channel follows it."""
+    empty = "{%- if not thinking -%}{{- '<|channel>thought\\n<channel|>' -}}{%- endif -%}"
+    return (
+        "{%- macro text(content, model) -%}\n"
+        "  {%- set ns = namespace(out='', kept='') -%}\n"
+        "  {%- for part in ([{'type': 'text', 'text': content}] if content is string else content) -%}\n"
+        "    {%- if part['type'] == 'text' and model -%}\n"
+        "      {%- set pieces = part['text'].split('<|channel>') -%}{%- set ns.kept = pieces[0] -%}\n"
+        "      {%- for p in pieces[1:] if '<channel|>' in p -%}"
+        "{%- set ns.kept = ns.kept + p.split('<channel|>', 1)[1] -%}{%- endfor -%}\n"
+        "      {%- set ns.out = ns.out + ns.kept | replace('<channel|>', '') | trim -%}\n"
+        "    {%- elif part['type'] == 'text' -%}{%- set ns.out = ns.out + part['text'] | trim -%}\n"
+        "    {%- endif -%}\n"
+        "  {%- endfor -%}\n"
+        "  {{- ns.out -}}\n"
+        "{%- endmacro -%}\n"
+        "{%- set thinking = enable_thinking is defined and enable_thinking -%}\n"
+        "{%- set system = messages and messages[0]['role'] in ['system', 'developer'] -%}\n"
+        "{{- bos_token -}}\n"
+        "{%- if thinking or system -%}\n"
+        "  {{- '<|turn>system\\n' + ('<|think|>' if thinking else '') -}}\n"
+        "  {%- if system -%}{{- text(messages[0]['content'], false) -}}{%- endif -%}\n"
+        "  {{- '<turn|>\\n' -}}\n"
+        "{%- endif -%}\n"
+        "{%- for message in (messages[1:] if system else messages) -%}\n"
+        "  {%- if message['role'] in ['system', 'developer'] -%}\n"
+        "    {{- raise_exception('a system message must come first') -}}\n"
+        "  {%- elif message['role'] not in ['user', 'assistant'] -%}\n"
+        "    {{- raise_exception('unknown role: ' + message['role']) -}}\n"
+        "  {%- endif -%}\n"
+        "  {%- set model = message['role'] == 'assistant' -%}\n"
+        "  {{- '<|turn>' + ('model' if model else 'user') + '\\n' + text(message['content'], model) + '<turn|>\\n' -}}\n"
+        "{%- endfor -%}\n"
+        "{%- if add_generation_prompt -%}\n"
+        "  {{- '<|turn>model\\n' -}}" + (empty if variant == "launch" else "") + "\n"
+        "{%- endif -%}\n"
+    )
+
+
+# Gemma 4's special tokens at Gemma 4's ids (the other ids below 107 are placeholders); "\n" is id 107.
+GEMMA4_SPECIALS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>", 46: "<|tool>", 47: "<tool|>",
+                   48: "<|tool_call>", 49: "<tool_call|>", 50: "<|tool_response>", 51: "<tool_response|>",
+                   52: '<|"|>', 98: "<|think|>", 100: "<|channel>", 101: "<channel|>", 105: "<|turn>",
+                   106: "<turn|>"}
+GEMMA4_NEWLINE = 107
 # Each family's special tokens, in id order (ids 0..n-1), and its turn format.
 FAMILIES = {
     "gemma4": {
-        "specials": ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"],
+        "specials": [GEMMA4_SPECIALS.get(i, f"<unused{i}>") for i in range(GEMMA4_NEWLINE)],
+        "named": list(GEMMA4_SPECIALS.values()), "newline": GEMMA4_NEWLINE,
         "bos": "<bos>", "eos": "<eos>", "pad": "<pad>", "unk": "<unk>",
-        "turn_markers": ["<|turn>", "<turn|>"], "stop": ["<eos>", "<turn|>"],  # eos_token_id: stops at either
-        # Gemma 4's format: <bos><|turn>system\n...<turn|>\n<|turn>user\n...<turn|>\n<|turn>model\n
-        "chat_template": chat_template("model", "'<|turn>' + role + '\\n'", "'<turn|>\\n'"),
+        "turn_markers": ["<|turn>", "<turn|>"], "stop": ["<eos>", "<turn|>"],  # config.json's eos_token_id
+        "generation_stop": ["<eos>", "<turn|>", "<|tool_response>"],  # generation_config.json's (mlx-lm reads it)
     },
     "llama": {
         "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -116,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--layout", default="text", choices=["text", "released"], help="gemma4: released = the wrapper")
     p.add_argument("--quantize", type=int, choices=[4, 8], help="bits: quantize with mlx-lm's quantize_model")
+    p.add_argument("--template", default="launch", choices=["launch", "current"], help="gemma4's chat template: "
+                   "launch = thinking-off generation prompt ends in an empty thought channel (default), current = not")
     p.add_argument("--force", action="store_true", help="replace --out even if this script did not make it")
     return p
 
@@ -137,7 +189,8 @@ def model_config(arch: str, tok: dict, vocab: int, dtype: str, seed: int) -> dic
             "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 32,
             # the last 2 layers reuse the K/V of the last sliding and full layer before them
             "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
-            "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": vocab,
+            # 64 (E2B: 256): the per-layer table (vocab x 6 x 64) and projections quantize at group size 64
+            "hidden_size_per_layer_input": 64, "vocab_size_per_layer_input": vocab,
             "rope_parameters": {
                 "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
                 "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
@@ -176,9 +229,17 @@ def train_tokenizer(arch: str, vocab_size: int, texts: list[str]) -> dict:
         vocab_size=vocab_size, min_frequency=2, initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[tk.AddedToken(s, special=True, normalized=False) for s in fam["specials"]], show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
+    if "newline" in fam:  # "\n" (byte-level "Ċ") moves to its id, the token there to "\n"'s (merges name strings)
+        spec = json.loads(tok.to_str())
+        vocab, nl = spec["model"]["vocab"], "\u010a"
+        there = next(t for t, i in vocab.items() if i == fam["newline"])
+        vocab[there], vocab[nl] = vocab[nl], fam["newline"]
+        tok = tk.Tokenizer.from_str(json.dumps(spec))
     ids = {s: tok.token_to_id(s) for s in fam["specials"]}
-    if [ids[s] for s in fam["specials"]] != list(range(len(fam["specials"]))):
-        raise RunbookError(f"special tokens did not get ids 0..n-1: {ids}", ANCHOR)
+    if [ids[s] for s in fam["specials"]] != list(range(len(fam["specials"]))) or (
+            "newline" in fam and tok.encode("\n", add_special_tokens=False).ids != [fam["newline"]]):
+        raise RunbookError(f"special tokens did not get ids 0..n-1 (or \\n its id): {ids}", ANCHOR)
+    ids = {s: ids[s] for s in fam.get("named", fam["specials"])}
     bos = fam["bos"]
     # Plain encode() adds the BOS, as Gemma's and Llama 3's tokenizers do; chat templates
     # write their own, and apply_chat_template encodes without special tokens.
@@ -187,16 +248,16 @@ def train_tokenizer(arch: str, vocab_size: int, texts: list[str]) -> dict:
     return {"json": tok.to_str(pretty=True), "ids": ids, "vocab": tok.get_vocab_size()}
 
 
-def tokenizer_files(arch: str, tok: dict) -> tuple[dict, dict]:
+def tokenizer_files(arch: str, tok: dict, template: str) -> tuple[dict, dict]:
     fam = FAMILIES[arch]
     named = {"bos_token": fam["bos"], "eos_token": fam["eos"], "pad_token": fam["pad"], "unk_token": fam["unk"]}
     named = {k: v for k, v in named.items() if v}  # Llama 3 has no unk token
-    extra = [s for s in fam["specials"] if s not in named.values()]
+    extra = [s for s in fam.get("named", fam["specials"]) if s not in named.values()]
     special_map = {**named, "additional_special_tokens": extra}
-    added = {str(tok["ids"][s]): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
-                                  "single_word": False, "special": True} for s in fam["specials"]}
+    added = {str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                                  "single_word": False, "special": True} for i, s in enumerate(fam["specials"])}
     config = {**special_map, "tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
-              "chat_template": fam["chat_template"], "add_bos_token": True, "add_eos_token": False,
+              "chat_template": gemma4_template(template) if arch == "gemma4" else fam["chat_template"], "add_bos_token": True, "add_eos_token": False,
               "clean_up_tokenization_spaces": False, "model_max_length": MAX_POSITIONS, "padding_side": "right"}
     return config, special_map
 
@@ -278,10 +339,13 @@ def verify(path: Path, arch: str, sample: str) -> None:
         if marker not in text:
             raise RunbookError(f"verify: chat template output lacks {marker!r}: {text[:200]!r}", ANCHOR)
     full = tokenizer.apply_chat_template(conv, return_dict=False)
+    history = tokenizer.apply_chat_template(conv[:-1], return_dict=False)
     prompt = tokenizer.apply_chat_template(conv[:-1], add_generation_prompt=True, return_dict=False)
-    if full[: len(prompt)] != prompt or full.count(tokenizer.bos_token_id) != 1:
-        raise RunbookError("verify: the generation prompt is not a token prefix of the conversation "
-                           "(mask_prompt would misalign) or BOS is not there exactly once", ANCHOR)
+    if full[: len(history)] != history or prompt[: len(history)] != history or full.count(tokenizer.bos_token_id) != 1:
+        raise RunbookError("verify: the history before the answer is not a token prefix of the conversation and "
+                           "of the generation prompt, or BOS is not there exactly once", ANCHOR)
+    if arch == "gemma4" and not tokenizer.has_thinking:
+        raise RunbookError("verify: mlx-lm detects no thinking mode (<|channel>, <channel|>) on the tokenizer", ANCHOR)
     if tokenizer.decode(tokenizer.encode(sample, add_special_tokens=False)) != sample:
         raise RunbookError("verify: tokenizer round trip changed the text", ANCHOR)
     logits = model(mx.array([full]))
@@ -313,6 +377,7 @@ def provenance(args, config: dict, tok: dict, text_sha: str, n_params: int, file
         "tokenizer": {"type": "byte-level BPE (tokenizers)", "vocab_size": tok["vocab"], "min_frequency": 2,
                       "special_tokens": tok["ids"], "trained_on_sha256": text_sha,
                       "trained_on": f"cpython-{platform.python_version()}/pydoc_data.topics"},
+        "chat_template": args.template if args.arch == "gemma4" else "llama3",
         "python": platform.python_version(), "files": files,
         "packages": {p: pkg_version(p) for p in ("mlx", "mlx-lm", "numpy", "tokenizers")},
     }
@@ -330,7 +395,7 @@ def main() -> int:
         tok = train_tokenizer(args.arch, args.vocab_size, texts)
         config = model_config(args.arch, tok, tok["vocab"], args.dtype, args.seed)
         config["thunder_runbook"].update(layout=args.layout, quantize=args.quantize)
-        tok_config, special_map = tokenizer_files(args.arch, tok)
+        tok_config, special_map = tokenizer_files(args.arch, tok, args.template)
         weights, n_params = init_weights(config, args.seed, args.dtype)
         if args.layout == "released":
             config, weights = released_layout(config, weights, args.seed)
@@ -342,6 +407,10 @@ def main() -> int:
             atomic.write_text(tmp / "tokenizer.json", tok["json"] + "\n")
             atomic.write_json(tmp / "tokenizer_config.json", tok_config)
             atomic.write_json(tmp / "special_tokens_map.json", special_map)
+            if stops := FAMILIES[args.arch].get("generation_stop"):  # mlx-lm takes its eos_token_id over config's
+                atomic.write_json(tmp / "generation_config.json", {
+                    "bos_token_id": tok["ids"]["<bos>"], "eos_token_id": [tok["ids"][t] for t in stops],
+                    "pad_token_id": tok["ids"]["<pad>"]})
             mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
             files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
             atomic.write_json(tmp / "provenance.json", provenance(args, config, tok, text_sha, n_params, files))

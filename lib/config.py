@@ -113,6 +113,10 @@ KEYS = {
     "loss": ("default", _in("default", "chunked")), "loss_chunk_tokens": (64, _int(1)),
     "grad_average": ("mlx_lm", _in("mlx_lm", "tokens")),  # mean of rank means, or sum / global tokens
     "max_grad_norm": (None, _opt_pos),  # clip the global gradient norm before the step (null: no clipping)
+    # mlx-lm's name: keyword arguments of every chat-template rendering (lib/chat.py), e.g. enable_thinking
+    "chat_template_args": (None, _is("null or a mapping of keyword arguments, e.g. {enable_thinking: false}",
+                                     lambda v: v is None or isinstance(v, dict)
+                                     and all(str(k).isidentifier() for k in v))),
 }
 DEFAULTS = {k: default for k, (default, _) in KEYS.items()}
 

@@ -336,6 +336,7 @@ def summarize(res: LaunchResult, category: str | None, why: str, extra: dict) ->
 def conclude(run_dir: Path, stage: str, summary: dict, cfg: dict, argv: list[str], world: int) -> int:
     """The stage's end: <stage>.json, the manifest, warnings, the category (+ OOM ladder), PASS/FAIL."""
     summary["warnings"] = [m for m in metrics(run_dir) if m.get("kind") == "warning"]
+    summary["chat_template_args"] = cfg.get("chat_template_args")  # the format the adapter is trained in
     for w in summary["warnings"]:  # e.g. no-improvement: shown once more just above PASS/FAIL
         event("warning", stage=stage, what=w.get("what"), message=json.dumps(w.get("message")))
     atomic.write_json(run_dir / f"{stage}.json", summary)

@@ -80,7 +80,7 @@ def test_layout_and_provenance(models, arch):
     m = models[arch]
     names = {p.name for p in m.iterdir()}
     assert names == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                     "special_tokens_map.json", "provenance.json"}
+                     "special_tokens_map.json", "provenance.json", *(["generation_config.json"] * (arch == "gemma4"))}
     cfg = json.loads((m / "config.json").read_text())
     prov = json.loads((m / "provenance.json").read_text())
     assert cfg["thunder_runbook"]["arch"] == prov["arch"] == arch
@@ -136,22 +136,22 @@ def test_chat_template(models, arch):
         {"role": "user", "content": "What is pass?"},
         {"role": "assistant", "content": "A null operation."},
     ]
-    text = tok.apply_chat_template(conv, tokenize=False)
+    text = tok.apply_chat_template(conv, tokenize=False, enable_thinking=False)
     if arch == "gemma4":
         assert text == ("<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nWhat is pass?<turn|>\n"
                         "<|turn>model\nA null operation.<turn|>\n")
-        gen = "<|turn>model\n"
+        gen = "<|turn>model\n<|channel>thought\n<channel|>"  # the launch template's, thinking off
     else:
         assert text == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
                         "<|start_header_id|>user<|end_header_id|>\n\nWhat is pass?<|eot_id|>"
                         "<|start_header_id|>assistant<|end_header_id|>\n\nA null operation.<|eot_id|>")
         gen = "<|start_header_id|>assistant<|end_header_id|>\n\n"
-    prompt = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=False)
-    assert prompt.endswith(gen) and text.startswith(prompt)
-    # markers are single special tokens; the prompt is a token prefix (mlx-lm's --mask-prompt relies on it)
-    ids = tok.apply_chat_template(conv, return_dict=False)
-    pids = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, return_dict=False)
-    assert ids[: len(pids)] == pids
+    prompt = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    assert prompt.endswith(gen) and text.startswith(prompt.removesuffix("<|channel>thought\n<channel|>"))
+    # markers are single special tokens; the history is a token prefix of both (lib/chat.py masks the common one)
+    ids = tok.apply_chat_template(conv, return_dict=False, enable_thinking=False)
+    hids = tok.apply_chat_template(conv[:-1], return_dict=False, enable_thinking=False)
+    assert ids[: len(hids)] == hids
     for marker in TURN_MARKERS[arch]:
         mid = tok.convert_tokens_to_ids(marker)
         assert mid in ids and tok.convert_ids_to_tokens(mid) == marker
@@ -159,7 +159,7 @@ def test_chat_template(models, arch):
     assert tok.encode("x")[0] == tok.bos_token_id  # plain encode adds BOS (TextDataset path)
     # list-of-parts content renders like a string
     parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in conv]
-    assert tok.apply_chat_template(parts, tokenize=False) == text
+    assert tok.apply_chat_template(parts, tokenize=False, enable_thinking=False) == text
     with pytest.raises(Exception, match="unknown role"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
     with pytest.raises(Exception, match="system message must come first"):
@@ -365,6 +365,12 @@ def test_quantized_forms_load_with_quantized_linear(forms):
         model, out[name] = logits(forms[name])
         quantized = {k for k, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
         assert any(k.endswith("self_attn.q_proj") for k in quantized) and any(k.endswith("mlp.down_proj") for k in quantized)
+        # as in the real 4-bit conversion, nothing stays float: the per-layer embedding table and projections too
+        assert not [k for k, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)]
+        kinds = {k.split(".")[-1]: type(m) for k, m in model.named_modules()}
+        assert kinds["embed_tokens_per_layer"] is nn.QuantizedEmbedding
+        assert {kinds[k] for k in ("per_layer_model_projection", "per_layer_projection", "per_layer_input_gate")} \
+            == {nn.QuantizedLinear}
         assert bool(mx.all(mx.isfinite(out[name])).item())
         prov = json.loads((forms[name] / "provenance.json").read_text())
         assert prov["quantization"]["bits"] == 4 and prov["quantization"]["group_size"] == 64
@@ -410,6 +416,7 @@ val_batches: 1
 test: true
 test_batches: 1
 max_seq_length: 96
+chat_template_args: {enable_thinking: false}
 seed: 0
 """
 
@@ -438,12 +445,13 @@ def test_lora_trains_and_the_adapter_loads_in_fuse_and_generate(forms, chat_data
     from mlx_lm.utils import load
 
     model, _ = load(str(forms[form]), adapter_path=str(adapters))
-    # LoRA sits on QuantizedLinear in the 4-bit form (layers whose input 64 does not divide stay float)
+    # LoRA sits on QuantizedLinear in the 4-bit form
     wrapped = {k: m.linear for k, m in model.named_modules() if isinstance(m, LoRALinear)}
     q_proj = [m for k, m in wrapped.items() if k.endswith("self_attn.q_proj")]
     assert q_proj and all(isinstance(m, nn.QuantizedLinear) == form.endswith("q4") for m in q_proj)
     p = run([PY, "-m", "mlx_lm", "generate", "--model", str(forms[form]), "--adapter-path", str(adapters),
-             "--prompt", "What is a list?", "--max-tokens", "4", "--temp", "0"], env=env, timeout=120)
+             "--prompt", "What is a list?", "--max-tokens", "4", "--temp", "0",
+             "--chat-template-config", '{"enable_thinking": false}'], env=env, timeout=120)
     assert "Generation:" in p.stdout or "tokens-per-sec" in p.stdout, p.stdout
     fused = tmp_path / "fused"
     run([PY, "-m", "mlx_lm", "fuse", "--model", str(forms[form]), "--adapter-path", str(adapters),

@@ -54,6 +54,7 @@ val_batches: 2
 test: true
 test_batches: 2
 max_seq_length: 96
+chat_template_args: {enable_thinking: false}
 seed: 3
 keep_last_k: 2
 """

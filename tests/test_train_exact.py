@@ -46,6 +46,7 @@ save_every: 3
 val_batches: 2
 test: false
 max_seq_length: 96
+chat_template_args: {enable_thinking: false}
 seed: 3
 keep_last_k: 2
 """

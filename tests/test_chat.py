@@ -1,0 +1,197 @@
+"""Gemma 4 as it is served (issue #26): the tiny model's tokenizer and chat format are Gemma 4's, the format
+a run trains in is the config's chat_template_args, and mask_prompt masks exactly the prompt.
+
+The template under test is the tiny model's own (demo/make_tiny_model.py), in both generation-prompt
+variants; the expected text is built here from the format's description, not from that template. lib/chat.py
+is checked for any template: the prompt/record split is computed, not assumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import types
+
+import pytest
+from conftest import PY, run
+
+from lib import chat
+from lib import config as C
+from lib.log import RunbookError
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HTTPS_PROXY": "http://127.0.0.1:9"}
+SPECIALS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "<|tool>": 46, "<tool|>": 47,
+            "<|tool_call>": 48, "<tool_call|>": 49, "<|tool_response>": 50, "<tool_response|>": 51, '<|"|>': 52,
+            "<|think|>": 98, "<|channel>": 100, "<channel|>": 101, "<|turn>": 105, "<turn|>": 106}
+EMPTY_THOUGHT = "<|channel>thought\n<channel|>"
+SYSTEM = {"role": "system", "content": "  You explain Python.\n"}
+TURNS = [{"role": "user", "content": "What is pass?"},
+         {"role": "assistant", "content": "<|channel>thought\nA statement.<channel|>A null operation. "},
+         {"role": "user", "content": " And del? "},
+         {"role": "assistant", "content": "It deletes names."}]
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """{variant: model folder}: the tiny gemma4 with the launch and with the current template."""
+    root = tmp_path_factory.mktemp("variants")
+    for v in ("launch", "current"):
+        run([PY, "demo/make_tiny_model.py", "--arch", "gemma4", "--template", v, "--out", str(root / v)],
+            env=dict(os.environ, **OFFLINE))
+    return {v: root / v for v in ("launch", "current")}
+
+
+def tokenizer(folder):
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(folder)
+
+
+def expected(messages: list, thinking: bool, variant: str, generation_prompt: bool = False) -> str:
+    """Gemma 4's format, from its description (the issue's 'Facts to build on')."""
+    msgs, out = list(messages), "<bos>"
+    system = msgs.pop(0)["content"].strip() if msgs and msgs[0]["role"] in ("system", "developer") else None
+    if thinking or system is not None:
+        out += "<|turn>system\n" + ("<|think|>" if thinking else "") + (system or "") + "<turn|>\n"
+    for m in msgs:
+        role, text = ("model", re.sub(r"<\|channel>.*?<channel\|>", "", m["content"], flags=re.S)) \
+            if m["role"] == "assistant" else (m["role"], m["content"])
+        out += f"<|turn>{role}\n{text.strip()}<turn|>\n"
+    if generation_prompt:
+        out += "<|turn>model\n" + (EMPTY_THOUGHT if variant == "launch" and not thinking else "")
+    return out
+
+
+def test_special_tokens_sit_at_gemma4s_ids_and_mlx_lm_sees_a_thinking_mode(variants):
+    from mlx_lm.utils import load
+
+    tok = tokenizer(variants["launch"])
+    assert {s: tok.convert_tokens_to_ids(s) for s in SPECIALS} == SPECIALS
+    assert all(tok.encode(s, add_special_tokens=False) == [i] for s, i in SPECIALS.items())
+    assert tok.encode("\n", add_special_tokens=False) == [107] and tok.decode([107]) == "\n"
+    assert tok.has_thinking and tok.think_start == "<|channel>thought"
+    cfg, gen = (json.loads((variants["launch"] / f).read_text()) for f in ("config.json", "generation_config.json"))
+    assert cfg["eos_token_id"] == [1, 106] and gen["eos_token_id"] == [1, 106, 50]
+    _, loaded = load(str(variants["launch"]))
+    assert loaded.eos_token_ids == {1, 106, 50}  # mlx-lm stops where Gemma 4 does
+
+
+@pytest.mark.parametrize("variant", ["launch", "current"])
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("shape", ["system", "no-system", "developer", "multi-turn", "parts"])
+def test_the_template_renders_gemma4s_format(variants, variant, thinking, shape):
+    tok = tokenizer(variants[variant])
+    conv = {"system": [SYSTEM, *TURNS[:2]], "no-system": TURNS[:2], "multi-turn": [SYSTEM, *TURNS],
+            "developer": [{**SYSTEM, "role": "developer"}, *TURNS[:2]],
+            "parts": [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in [SYSTEM, *TURNS[:2]]]}[shape]
+    plain = [{**m, "content": m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]}
+             for m in conv]
+    assert tok.apply_chat_template(conv, tokenize=False, enable_thinking=thinking) == expected(
+        plain, thinking, variant)
+    assert tok.apply_chat_template(conv[:-1], tokenize=False, add_generation_prompt=True,
+                                   enable_thinking=thinking) == expected(plain[:-1], thinking, variant, True)
+
+
+def test_mlx_lm_renders_thinking_on_unless_told(variants):
+    """Observation 1: mlx-lm's wrapper passes enable_thinking=has_thinking, so an unchosen record gets a
+    system turn holding <|think|>; mlx-lm's ChatDataset passes nothing."""
+    from mlx_lm.tuner.datasets import ChatDataset
+
+    tok = tokenizer(variants["launch"])
+    assert tok.apply_chat_template(TURNS[:2], tokenize=False).startswith("<bos><|turn>system\n<|think|><turn|>\n")
+    tokens, _ = ChatDataset([{"messages": TURNS[:2]}], tok).process({"messages": TURNS[:2]})
+    assert tok.decode(tokens).startswith("<bos><|turn>system\n<|think|><turn|>\n") and 98 in tokens
+
+
+@pytest.mark.parametrize("variant", ["launch", "current"])
+@pytest.mark.parametrize("conv", [TURNS[:2], [SYSTEM, *TURNS]], ids=["single", "multi-turn"])
+def test_the_loss_covers_every_answer_token_and_no_prompt_token(variants, variant, conv):
+    tok, args = tokenizer(variants[variant]), {"enable_thinking": False}
+    cfg = {**C.DEFAULTS, "mask_prompt": True, "chat_template_args": args}
+    tokens, k = chat.dataset([{"messages": conv}], tok, cfg)[0]
+    prompt = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, return_dict=False, **args)
+    visible = re.sub(r"<\|channel>.*?<channel\|>", "", conv[-1]["content"], flags=re.S).strip()
+    answer = tok.encode(visible, add_special_tokens=False)
+    assert tokens == tok.apply_chat_template(conv, return_dict=False, **args)
+    assert tokens[k:] == [*answer, 106, 107]  # every answer token (and the turn's end), nothing before it
+    assert tokens[:k] == prompt[:k] and tok.decode(tokens[:k]).endswith("<|turn>model\n")
+    if variant == "launch":  # observation 2: mlx-lm's offset, len(prompt), would cut 5 answer tokens
+        assert prompt[k:] == tok.encode(EMPTY_THOUGHT, add_special_tokens=False) and len(prompt) == k + 5
+    else:
+        assert prompt == tokens[:k]
+    # without mask_prompt the whole record is in the loss, rendered with the same arguments
+    assert chat.dataset([{"messages": conv}], tok, {**cfg, "mask_prompt": False})[0] == (tokens, 0)
+
+
+def test_prompt_completion_records_are_rendered_and_masked_alike(variants):
+    tok = tokenizer(variants["launch"])
+    cfg = {**C.DEFAULTS, "mask_prompt": True, "chat_template_args": {"enable_thinking": False}}
+    a = chat.dataset([{"prompt": "What is pass?", "completion": "A null operation."}], tok, cfg)[0]
+    b = chat.dataset([{"messages": [{"role": "user", "content": "What is pass?"},
+                                    {"role": "assistant", "content": "A null operation."}]}], tok, cfg)[0]
+    assert a == b and 98 not in a[0]
+
+
+def sly_model(src, dst):
+    """A copy whose template renders a user turn differently when the generation prompt follows."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{{ bos_token }}{% for m in messages %}<|turn>{{ m['role'] }}\n{{ m['content'] }}"
+                            "{% if add_generation_prompt %}?{% endif %}<turn|>\n{% endfor %}"
+                            "{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_a_prompt_that_parts_from_the_record_before_the_answer_is_refused(variants, tmp_path):
+    model = sly_model(variants["launch"], tmp_path / "sly")
+    tok, cfg = tokenizer(model), {**C.DEFAULTS, "mask_prompt": True, "chat_template_args": {}}
+    with pytest.raises(ValueError, match=r"the prompt and the record part at token \d+, before the generation "
+                                         r"prompt: prompt '\?<turn\|>.*' vs record '<turn\|>.*' \(ids \[") as e:
+        chat.dataset([{"messages": TURNS[:2]}], tok, cfg)[0]
+    assert "mask_prompt: false" in str(e.value)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"messages": TURNS[:2], "record_id": f"r{i}"}) + "\n"
+                                              for i in range(4)))
+    conf = tmp_path / "c.yaml"
+    conf.write_text("batch_size: 2\niters: 2\nsave_every: 2\nmask_prompt: true\nval_batches: 0\n"
+                    "chat_template_args: {enable_thinking: false}\n")
+    p = run([PY, "bin/train.py", "--config", str(conf), "--model", str(model), "--data", str(data),
+             "--run-dir", str(tmp_path / "run")], check=False, env=dict(os.environ, **OFFLINE))
+    assert p.returncode == 11, p.stderr[-2000:]  # the data category: the record names its file and line
+    assert f"{data / 'train.jsonl'}:1 (record_id r0) does not tokenize" in p.stderr and "prompt '?" in p.stderr
+
+
+def test_a_thinking_tokenizer_without_a_choice_is_refused(variants, tmp_path):
+    for args in (None, {}, {"add_generation_prompt": False}):
+        with pytest.raises(RunbookError, match="chat_template_args: {enable_thinking: false}") as e:
+            chat.check_choice(tokenizer(variants["launch"]), {"model": "m", "chat_template_args": args})
+        assert str(e.value).endswith("see RUNBOOK.md#chat-format")
+    chat.check_choice(types.SimpleNamespace(has_thinking=False), {"model": "m", "chat_template_args": None})
+    with pytest.raises(C.ConfigError, match="chat_template_args must be null or a mapping of keyword arguments"):
+        C.validate({"chat_template_args": ["enable_thinking"]})
+    with pytest.raises(C.ConfigError, match="chat_template_args must be"):
+        C.validate({"chat_template_args": {1: True}})
+    # through the trainer, when the run starts: the config error, naming the choice and the anchor
+    data, conf = tmp_path / "data", tmp_path / "c.yaml"
+    data.mkdir()
+    (data / "train.jsonl").write_text(json.dumps({"messages": TURNS[:2]}) + "\n")
+    conf.write_text("batch_size: 1\niters: 2\nsave_every: 2\n")
+    p = run([PY, "bin/train.py", "--config", str(conf), "--model", str(variants["launch"]), "--data", str(data),
+             "--run-dir", str(tmp_path / "run")], check=False, env=dict(os.environ, **OFFLINE))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "has a thinking mode and the config does not choose it" in p.stderr
+    assert p.stderr.strip().endswith("see RUNBOOK.md#chat-format")
+    assert json.loads((tmp_path / "run" / "logs" / "rank-0.failure.json").read_text())["anchor"] == "chat-format"
+
+
+def test_template_facts_name_the_variant(variants):
+    for v, folder in variants.items():
+        tok = tokenizer(folder)
+        facts = chat.template_facts(tok)
+        text = json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+        assert facts == {"sha256": hashlib.sha256(text.encode()).hexdigest(), "has_thinking": True, "variant": v}
