@@ -202,7 +202,8 @@ RESTART_ARGS = $(if $(RESTARTS), --restarts $(RESTARTS))$(if $(FALLBACK), --fall
 # check-parity exit 1 is WARNING (e.g. a slow link): reported, not blocking.
 # Its own state dir (runs/RUN/parity: lock and last.json), so a cron check-parity holding
 # runs/parity/.lock never stops a launch, and the run folder keeps the check that let it start.
-PARITY_GATE  = $(PARITY_CMD) --state-dir runs/$(RUN)/parity || [ $$? -eq 1 ]
+# --run: one launch per run folder (no supervisor of RUN here, no rank of RUN on any host).
+PARITY_GATE  = $(PARITY_CMD) --state-dir runs/$(RUN)/parity --run $(RUN) || [ $$? -eq 1 ]
 
 ## smoke: sync + check-parity, then a tiny run through mlx.launch: checkpoint, resume, criteria
 .PHONY: smoke
@@ -241,6 +242,11 @@ $(STAMPS)/control.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,runs/$(R
 .PHONY: compare
 compare: $(VENV)/.stamp | $(if $(wildcard $(STAMPS)/train.$(RUN)),,$(STAMPS)/train.$(RUN)) $(if $(wildcard $(STAMPS)/control.$(RUN)),,$(STAMPS)/control.$(RUN))
 	$(PY) bin/compare.py --run $(RUN)$(if $(TOLERANCE), --tolerance $(TOLERANCE))$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))$(if $(MIN_GAIN), --min-gain $(MIN_GAIN))$(if $(TEST_BATCHES), --test-batches $(TEST_BATCHES))
+
+## stop: stop RUN on every host (its supervisor, here or dead, then any rank left); the newest verified checkpoint stays for RESUME=1
+.PHONY: stop
+stop: $(VENV)/.stamp
+	$(PY) bin/run.py --stop $(RUN)
 
 ## status: where RUN stands (step, ETA, loss, tok/s and last step per rank, checkpoint, failures, verdict); JSON=1; exit as check-parity
 .PHONY: status

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, dataset, hostfile, parity, parity_probe, paths  # noqa: E402
+from lib import atomic, dataset, hostfile, parity, parity_probe, paths, supervisor  # noqa: E402
 from lib.log import RunbookError  # noqa: E402
 
 STATUS, CODE = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "UNKNOWN"}, {"pass": 0, "warn": 1, "fail": 2}
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, help="bound on the whole check, s (default 20; 600 with --deep)")
     p.add_argument("--min-disk-gb", type=float, default=10.0, help="free disk needed at REMOTE_ROOT")
     p.add_argument("--state-dir", default=str(paths.RUNS / "parity"), help="lock and last.json")
+    p.add_argument("--run", default="", help="the launch gate: fail while RUN's supervisor or a rank lives")
     return p
 
 
@@ -233,6 +234,12 @@ def evaluate(args, hf, ref: dict, results: dict) -> list[dict]:
         checks += [check("ssh", h, "pass", f"{how}, round trip {secs:.2f} s")] if name != "ssh" else []
         checks += [check(name, h, "fail", why, fix or args.fix["provision"])] if name else []
     for h, f in facts.items():
+        if args.run:  # one launch per run folder: no rank of RUN alive on any host
+            ranks, fix = f.get("ranks") or [], f"make stop RUN={args.run}; see RUNBOOK.md#{supervisor.ANCHOR}"
+            alive = ("; ".join(f"pid {pid} (launch {lid})" for pid, lid in ranks) if isinstance(ranks, list)
+                     else f"probe error: {ranks.get('error')}")
+            checks.append(check("run", h, not alive, f"RUN {args.run}'s ranks alive here: {alive}" if alive
+                                else f"no rank of RUN {args.run}", fix))
         if "runtime" in GATES[args.gate]:
             checks += eval_runtime(args, h, f, facts, ref["lock"], hf.envs)
             checks += [*eval_resources(args, h, f), *eval_macos(args, h, f, hf), eval_link(args, h, f)]
@@ -270,7 +277,7 @@ def run_checks(args) -> list[dict]:
         hosts, peers = hf.unique_ssh(), parity.peers_of(hf)
         params = {"python": args.python, "remote_root": args.root, "parts": GATES[args.gate],
                   "content": args.content, "link_enough_ms": RTT_WARN_MS / 4,
-                  "rdma": hf.backend.startswith("jaccl")}
+                  "rdma": hf.backend.startswith("jaccl"), "ranks": args.run and supervisor.pattern(args.run)}
         deadline = time.monotonic() + args.timeout  # every probe bounded by it (subprocess timeout)
         with ThreadPoolExecutor(len(hosts)) as pool:
             running = {h: pool.submit(parity.probe, h, args.python, dict(params, peers=peers[h]), deadline)
@@ -281,7 +288,10 @@ def run_checks(args) -> list[dict]:
             results = {h: f.result() for h, f in running.items()}  # a probe that raised: UNKNOWN
         row = check("hostfile", "-", "pass", f"{args.hostfile}: {hf.backend or 'ring'}, {hf.size} rank(s) on "
                     f"{len(hosts)} host(s): {', '.join(hosts)}")
-        return [row, *evaluate(args, hf, ref, results)]
+        rec = supervisor.holder(args.run) if args.run else None  # another supervisor of RUN on this Mac
+        held = [check("supervisor", "-", "fail", supervisor.busy(args.run, rec),
+                      f"see RUNBOOK.md#{supervisor.ANCHOR}")] if rec is not None else []
+        return [row, *held, *evaluate(args, hf, ref, results)]
     except RunbookError as e:
         return [check("hostfile" if e.anchor == "hostfile" else "inputs", "-", "fail", e.args[0],
                       f"see RUNBOOK.md#{e.anchor}")]

@@ -4,6 +4,7 @@
 Usage:
     python bin/run.py --stage train|control --run RUN --hostfile H --config C --model M --dataset D \
         --remote-root DIR --python PY [--resume] [--watchdog S] [--control-host H] [--restarts N [--fallback]]
+    python bin/run.py --stop RUN        # make stop: its supervisor told to stop, then every host swept
 
 Example (what `make train` runs after smoke, sync and check-parity):
     python bin/run.py --stage train --run stage1 --hostfile hostfile.json --config configs/stage1.yaml \
@@ -11,12 +12,15 @@ Example (what `make train` runs after smoke, sync and check-parity):
         --remote-root "$PWD" --python "$PWD/.venv/bin/python"
 
 train writes runs/<RUN>/train.json; control, the same config, data, seed and global batch on one host
-(rank 0's by default), runs/<RUN>-control/control.json. Restarts: see RUNBOOK.md#restarts-and-fallback.
+(rank 0's by default), runs/<RUN>-control/control.json. Restarts: see RUNBOOK.md#restarts-and-fallback;
+one supervisor per run, Ctrl-C, a closed terminal, make stop: RUNBOOK.md#one-launch-per-run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, launch, paths  # noqa: E402
+from lib import atomic, launch, paths, supervisor  # noqa: E402
 from lib.hostfile import check_hostname  # noqa: E402
 from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import HANG, RunbookError, die, event  # noqa: E402
@@ -55,9 +59,9 @@ def control_setup(args, hf):
     return dual, load_hostfile(args.hostfile)
 
 
-def recover(args, hf, run_rel: str, n: int):
+def recover(args, hf, n: int):
     """Restart n: sweep, back off, drop hosts still unreachable (--fallback, last restart), parity gate."""
-    swept = launch.sweep(hf, run_rel)
+    swept = launch.sweep(hf.unique_ssh(), args.record["run"])
     time.sleep(min(2.0 * 2 ** (n - 1), 60.0))  # 2 s, then twice as long each time, at most 60 s
     rec, lost = {"attempt": n, "swept": swept}, [h for h, v in swept.items() if v.startswith("unreachable")]
     if args.fallback and n == args.restarts and 0 < len(lost) < len(hf.unique_ssh()):
@@ -78,10 +82,29 @@ def recover(args, hf, run_rel: str, n: int):
     return hf, rec, p.returncode in (0, 1)
 
 
+def stop(run: str) -> int:
+    """make stop: SIGTERM to RUN's supervisor (it stops its launch, fetches, writes its summary); meanwhile
+    every host of RUN's manifests swept for its ranks (a dead supervisor's too); then its end awaited."""
+    if pid := (supervisor.holder(paths.check_run_id(run)) or {}).get("pid"):
+        os.kill(int(pid), signal.SIGTERM)
+    mans = [paths.read_json(paths.RUNS / d / "manifest.json") for d in (run, run + "-control")]
+    hosts = {check_hostname(h["ssh"], "ssh") for m in mans for h in m.get("hostfile", {}).get("hosts", [])}
+    swept = launch.sweep(sorted(hosts), run) if hosts else {}
+    deadline = time.monotonic() + 60  # for its fetch and summary
+    while supervisor.holder(run) is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    event("stop", run=run, supervisor=pid or "none", **swept)
+    if supervisor.holder(run) is not None:
+        return die(f"supervisor pid {pid} holds {run} 60 s after SIGTERM; see RUNBOOK.md#{supervisor.ANCHOR}")
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--stop"]:
+        return stop(sys.argv[2])
     args, t0 = build_parser().parse_args(), time.time()
     try:
-        hf, cfg = launch.load_inputs(args)
+        hf, cfg = launch.load_inputs(args, args.stage)
         dual, hf = control_setup(args, hf) if args.stage == "control" else ({}, hf)
         if args.fallback and cfg.get("grad_average") != "tokens":
             raise RunbookError(f"{args.config}: FALLBACK=1 needs `grad_average: tokens` in the config "
@@ -100,7 +123,7 @@ def main() -> int:
     log, world0, attempts = f"launch-{args.stage}.log", hf.size, []
     res, ev, run_argv, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, log, cfg["iters"])
     while cat == HANG and len(attempts) < args.restarts:  # restart: resume from the latest good checkpoint
-        hf, rec, go = recover(args, hf, run_rel, len(attempts) + 1)
+        hf, rec, go = recover(args, hf, len(attempts) + 1)
         attempts.append({**rec, "after": cat, "why": why, "last_step_seen": (res.steps or [None])[-1]})
         event("restart", run=args.run, attempt=len(attempts), of=args.restarts, after=why, world_size=hf.size,
               relaunch=go, **({"lost": rec["fallback"]["lost"]} if "fallback" in rec else {}))
@@ -117,7 +140,7 @@ def main() -> int:
         "adapter": f"{run_rel}/adapters" if adapters.is_file() else None, "fetched": ev["fetched"],
         "best_adapter": f"{run_rel}/checkpoints/{Path(best).name}" if best else None, "swept": ev["swept"],
         "fallback": (attempts or [{}])[-1].get("fallback"), "total_wall_s": round(time.time() - t0, 3)})
-    return launch.conclude(run_dir, args.stage, summary, cfg, run_argv, hf.size)
+    return supervisor.release(args, launch.conclude(run_dir, args.stage, summary, cfg, run_argv, hf.size))
 
 
 if __name__ == "__main__":

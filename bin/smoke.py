@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import checkpoint as ckpt  # noqa: E402
-from lib import launch, paths  # noqa: E402
+from lib import launch, paths, supervisor  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> int:
     args, t0 = build_parser().parse_args(), time.time()
     try:
-        hf, cfg = launch.load_inputs(args)
+        hf, cfg = launch.load_inputs(args, "smoke")
         iters, save_every = cfg["iters"], cfg["save_every"]
         if not 0 < save_every < iters:
             raise RunbookError(f"{args.config}: smoke needs 0 < save_every ({save_every}) < iters ({iters}): "
@@ -86,7 +86,7 @@ def main() -> int:
         "criteria": {k: {"ok": c, "detail": d} for k, (c, d) in crit.items()}, "chat_format": fmt,
         "launches": [{"returncode": r.returncode, "wall_s": round(r.wall_s, 3)} for r in (res, res2) if r],
         "total_wall_s": round(time.time() - t0, 3), "ok": cat is None and all(ok for ok, _ in crit.values())})
-    return launch.conclude(run_dir, "smoke", summary, cfg, argv2 or argv, hf.size)
+    return supervisor.release(args, launch.conclude(run_dir, "smoke", summary, cfg, argv2 or argv, hf.size))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ Example (`make status RUN=stage1 JSON=1`, e.g. from cron):
     python bin/status.py --run stage1 --remote-root "$PWD" --python "$PWD/.venv/bin/python" --json
 
 One ssh call to rank 0's host (BatchMode, 5 s; else this Mac's copy) reads metrics, failure files and the
-latest checkpoint; per-rank steps and tok/s come from this Mac's launch log. Exit 0 OK, 1 WARNING (a rank
-silent 600 s), 2 CRITICAL (failed), 3 UNKNOWN (rank 0's host unreachable while running). RUNBOOK.md#status.
+latest checkpoint; per-rank steps and tok/s come from this Mac's launch log; the supervisor from its lock.
+Exit 0 OK, 1 WARNING (a rank silent 600 s), 2 CRITICAL (failed, or running with no supervisor), 3 UNKNOWN
+(rank 0's host unreachable while running). RUNBOOK.md#status.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import paths  # noqa: E402
+from lib import paths, supervisor  # noqa: E402
 from lib.remote import run_on  # noqa: E402
 
 STATUS = ("OK", "WARNING", "CRITICAL", "UNKNOWN")
@@ -91,11 +92,14 @@ def main() -> int:
                     if secs else None, "step_s": statistics.median(x[3] for x in tail)}
     step, step_s = (train or [{}])[-1].get("step"), ranks.get("0", {}).get("step_s")
     verdict = {} if running else paths.read_json(run_dir / f"{stage}.json")
+    sup = supervisor.holder(man.get("control_of") or args.run)  # a control's is its dual run's
     silent = [r for r, v in ranks.items() if v["since_s"] > SILENT_S]
     code, why = next((c, w) for bad, c, w in (  # the first row that holds
         (not man, 3, f"no runs/{args.run}/manifest.json on this Mac"),
         (running and src["failures"] or not running and not verdict.get("ok"), 2,
          f"{stage} failed: {verdict.get('category') or 'a rank wrote a failure file'}"),
+        (running and man and sup is None, 2, f"{stage} has no supervisor (killed?): make stop "
+         f"RUN={args.run}, then RESUME=1; see RUNBOOK.md#{supervisor.ANCHOR}"),
         (running and remote is None, 3, "rank 0's host did not answer within 5 s"),
         (running and silent, 1, f"rank(s) {', '.join(silent)} silent for over {SILENT_S:g} s"),
         (True, 0, f"step {step}/{iters}" if running else "finished")) if bad)
@@ -105,13 +109,17 @@ def main() -> int:
           "loss_trend": [round(m["loss"], 5) for m in train[-5:]], "ranks": ranks,
           "last_val": {"step": val["step"], "loss": val["loss"]} if val else None,
           "latest_checkpoint": src["latest"], "failures": src["failures"], "status": STATUS[code],
-          "why": why, "verdict": {k: verdict.get(k) for k in VERDICT_KEYS} if verdict else None}
+          "why": why, "verdict": {k: verdict.get(k) for k in VERDICT_KEYS} if verdict else None,
+          "supervisor": sup}
     if args.json:
         print(json.dumps(st, sort_keys=True))
         return code
     hms = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta is not None else "-"
     print(f"STATUS {st['status']} - {why} | {stage} step {step}/{iters} eta {hms} loss {st['train_loss']} "
           f"trend {st['loss_trend']} val {st['last_val']} checkpoint {src['latest']}")
+    if sup is not None:
+        print(f"supervised by pid {sup.get('pid')} on {sup.get('host')}" + (f", detached from its terminal: "
+              f"its output goes to {sup['detached']}" if sup.get("detached") else ""))
     for r, v in ranks.items():
         print(f"rank {r}: step {v['last_step']}, {v['since_s']:.0f} s ago, {v['tok_per_s']} tok/s")
     for n, f in src["failures"].items():

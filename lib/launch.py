@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lib import atomic, jsonl, paths
+from lib import atomic, jsonl, paths, supervisor
 from lib.config import fallback_ladder, load_config, set_flag
 from lib.hashing import digest_of, iter_files, sha256_file, tree_hashes
 from lib.hostfile import Hostfile, is_local
@@ -40,11 +40,6 @@ RANK_STEP_RE = re.compile(r"(?:^|\s)iter \d+ rank \d+ ")  # every step, every ra
 REPORT_RE = re.compile(r"iter (\d+) train_loss (\S+) .*tok/s (\S+) peak_mem_gb (\S+)")  # rank 0's report
 STAGE_ORDER = ("export", "sync", "smoke", "train", "control", "compare")
 NOW = "%Y-%m-%dT%H:%M:%S%z"
-
-
-def trainer_pattern(run_rel: str) -> str:
-    """pkill -f's pattern (POSIX ERE) for this run's ranks only; run ids hold [A-Za-z0-9._-]."""
-    return r"bin/train\.py .*--run-dir " + run_rel.replace(".", r"\.") + r"( |$)"
 
 
 # ---- provenance: manifest.json and reproduce.sh ----------------------------------------
@@ -135,6 +130,7 @@ class LaunchResult:
     last_progress_s: float = 0.0
     step_times: list[float] = field(default_factory=list)
     done: bool = False  # rank 0 printed `done step N`: the trainer finished
+    stopped: str | None = None  # the signal that stopped it on purpose (Ctrl-C, make stop)
 
 
 def launch_argv(hostfile_path: str, hf: Hostfile, python: str, remote_root: str, trainer_args: list[str],
@@ -163,7 +159,8 @@ class Watch:
                 log.write(time.strftime("%Y-%m-%dT%H:%M:%SZ ", time.gmtime()).encode() + raw)
                 log.flush()
                 if (out := self.saw(raw.decode(errors="replace"), time.monotonic())) is not None:
-                    print(out, flush=True)
+                    with contextlib.suppress(OSError):  # a terminal that just closed, until SIGHUP's detach
+                        print(out, flush=True)
 
     def saw(self, text: str, now: float) -> str | None:
         m, steps = STEP_RE.search(text), self.res.steps
@@ -186,12 +183,12 @@ class Watch:
                     f"peak_mem_gb {r[4]}")
 
 
-def sweep(hf: Hostfile, run_rel: str) -> dict[str, str]:
-    """Kill any rank process of this run left on any host (SIGCONT first so a frozen one can die)."""
+def sweep(hosts: list[str], run: str) -> dict[str, str]:
+    """Kill any rank of RUN left on any host (SIGCONT first so a frozen one can die)."""
     argv = ["sh", "-c", 'pkill -CONT -f -- "$1"; pkill -KILL -f -- "$1" && echo killed || true', "sh",
-            trainer_pattern(run_rel)]
-    with ThreadPoolExecutor(len(hf.unique_ssh())) as pool:
-        rs = list(pool.map(lambda h: run_on(h, argv, timeout=15), hf.unique_ssh()))
+            supervisor.pattern(run)]
+    with ThreadPoolExecutor(len(hosts)) as pool:
+        rs = list(pool.map(lambda h: run_on(h, argv, timeout=15), hosts))
     return {r.host: "killed leftovers" if "killed" in r.stdout else "clean" if r.ok else
             f"unreachable: {r.stderr.strip()[:200]}" for r in rs}
 
@@ -199,6 +196,9 @@ def sweep(hf: Hostfile, run_rel: str) -> dict[str, str]:
 # ---- what happened -------------------------------------------------------------------------
 def categorize(res: LaunchResult, ev: dict, world: int) -> tuple[str | None, str]:
     """(category, why), or (None, "") if every rank joined, none failed and rank 0 printed `done`."""
+    if res.stopped:  # on purpose: no restart
+        return OTHER_FAILURES["stopped"][0], (f"{res.stopped} after step {(res.steps or [0])[-1]}: every rank"
+                                              " stopped, the newest verified checkpoint kept; RESUME=1 next")
     if res.watchdog_fired:
         return HANG, f"no progress for the watchdog window (last progress at {res.last_progress_s:.0f} s)"
     for r, f in sorted(ev["failures"].items()):
@@ -253,11 +253,12 @@ def add_common_args(p) -> None:
     p.add_argument("--port", type=int, help="first ring port (mlx.launch --starting-port)")
 
 
-def load_inputs(args):
-    """(hostfile, config) of a launching stage, checked; the config's watchdog_s unless --watchdog."""
+def load_inputs(args, stage: str):
+    """(hostfile, config) of a launching stage, checked (watchdog_s unless --watchdog); RUN's lock held."""
     paths.check_run_id(args.run)
     hf, cfg = load_hostfile(args.hostfile), load_config(args.config)
     args.watchdog = cfg.get("watchdog_s") if args.watchdog is None else args.watchdog
+    supervisor.hold(args, stage)
     return hf, cfg
 
 
@@ -294,16 +295,17 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
     watch, t0 = Watch(res := LaunchResult(returncode=-1, wall_s=0), total), time.monotonic()
     proc = subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
+    guard, _ = supervisor.guard(proc.pid), supervisor.write(args, launch_id=launch_id)
     (reader := threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)).start()
     while proc.poll() is None:
         time.sleep(0.2)
         with watch.lock:
             idle = time.monotonic() - watch.last
             window = args.watchdog or max(10 * statistics.median(res.step_times or [0]), 300.0)
-        if idle > window:
-            res.watchdog_fired = True
-            print(f"watchdog: no progress for {idle:.0f} s (window {window:.0f} s); stopping every rank",
-                  flush=True)
+        if idle > window or args.stop:
+            res.watchdog_fired, res.stopped = not args.stop, args.stop
+            print(f"{args.stop}: stopping every rank" if args.stop else f"watchdog: no progress for "
+                  f"{idle:.0f} s (window {window:.0f} s); stopping every rank", flush=True)
             for sig in (signal.SIGTERM, signal.SIGKILL):  # the launcher's process group; SIGKILL after 5 s
                 with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
                     os.killpg(proc.pid, sig)
@@ -311,9 +313,10 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
                     break
             break
     proc.wait()
+    guard.communicate(b"done")
     reader.join(timeout=10)
     res.returncode, res.last_progress_s, res.wall_s = proc.returncode, watch.last - t0, time.monotonic() - t0
-    swept, fetched = sweep(hf, run_rel), {}
+    swept, fetched = sweep(hf.unique_ssh(), args.record["run"]), {}
     for i, host in enumerate(hf.unique_ssh()):  # 127.0.0.1 with REMOTE_ROOT here: a no-op copy
         src = ("" if is_local(host) else f"{host}:") + f"{args.remote_root}/{run_rel}/"
         only_logs = ["--include=logs/", "--include=logs/**", "--exclude=*"] if i else []

@@ -22,6 +22,7 @@ FAILURES = {
     "resume": ("resume impossible", 14, "resume"),
     "error": ("trainer error", 1, "trainer"),
     "worse": ("worse than the base model", None, "compare-worse-than-base"),  # bin/compare.py's verdict
+    "stopped": ("stopped on request", None, "stopped-on-request"),  # Ctrl-C or make stop (lib/supervisor.py)
 }
 CATEGORIES = {name: anchor for name, _, anchor in list(FAILURES.values())[:5]}  # category -> anchor
 OTHER_FAILURES = {k: (name, anchor) for k, (name, _, anchor) in list(FAILURES.items())[5:]}

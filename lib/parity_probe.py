@@ -5,6 +5,7 @@ prints one JSON object of facts; lib/parity.py's PROBE_SH runs it (`PYTHON -c <s
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -108,8 +109,20 @@ def probe_link(peers, enough_ms, tries=7):
     return out
 
 
+def probe_ranks(pattern):
+    """[pid, launch id] of each process matching the launch gate's pattern; where one kernel holds several
+    hosts (Linux network namespaces: containers, the test fabric), only this host's."""
+    out, own = [], os.stat("/proc/self/ns/net").st_ino if os.path.exists("/proc/self/ns/net") else None
+    for ln in run(["ps", "axww", "-o", "pid=,command="]).splitlines():
+        pid, _, cmd = ln.strip().partition(" ")
+        with contextlib.suppress(OSError):  # gone since ps, or not ours to see
+            if re.search(pattern, cmd) and (own is None or os.stat(f"/proc/{pid}/ns/net").st_ino == own):
+                out.append([int(pid), (re.search(r"--launch-id (\S+)", cmd) or [None, "-"])[1]])
+    return out
+
+
 def run(argv):
-    import subprocess  # macOS only: not imported on the common path
+    import subprocess  # macOS and the launch gate only: not imported on the common path
     return subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=8).stdout
 
@@ -137,6 +150,8 @@ def main(argv):
         if sys.platform == "darwin":
             res["macos"] = {k: guard(run, cmd.split()) for k, cmd in MACOS_TOOLS.items() if p.get("rdma") or
                             k != "ibv_devices"}
+    if p.get("ranks"):
+        res["ranks"] = guard(probe_ranks, p["ranks"])
     if "content" in parts:  # {name: [its folder here, on this host, parts, hashed]}: the model with --deep
         for name, (_, base, names, hashed) in p.get("content", {}).items():
             res[name] = guard(probe_files, base, names, hashed)

@@ -7,7 +7,7 @@ import re
 import shlex
 import subprocess
 
-from lib import launch
+from lib import launch, supervisor
 from lib.hostfile import parse
 
 
@@ -40,11 +40,13 @@ def test_categories():
 
 
 def test_trainer_pattern_matches_only_this_run():
-    pat = launch.trainer_pattern("runs/stage1.a")
+    pat = supervisor.pattern("stage1.a")  # its train, smoke and control ranks: one supervisor per RUN (#27)
     line = "/x/.venv/bin/python bin/train.py --config c --run-dir runs/stage1.a --seed 0"
     assert re.search(pat, line)
-    assert re.search(pat, "python bin/train.py --run-dir runs/stage1.a")
-    for other in ("python bin/train.py --run-dir runs/stage1.a/smoke", "python bin/train.py --run-dir runs/stage1xa",
+    for same in ("python bin/train.py --run-dir runs/stage1.a", "python bin/train.py --run-dir runs/stage1.a/smoke",
+                 "bin/train.py --run-dir runs/stage1.a-control --seed 0"):
+        assert re.search(pat, same), same
+    for other in ("python bin/train.py --run-dir runs/stage1.a/smokey", "python bin/train.py --run-dir runs/stage1xa",
                   "python bin/train.py --run-dir runs/stage1.ab", "sh -c pkill " + pat):
         assert not re.search(pat, other), other
     # pkill's own regex engine (POSIX ERE) agrees.
@@ -263,7 +265,8 @@ def test_a_fallback_drops_the_lost_hosts_rdma_columns_too(tmp_path, monkeypatch)
     monkeypatch.setattr(mod, "run_on", lambda host, argv, timeout: SimpleNamespace(ok=False))
     monkeypatch.setattr(mod.time, "sleep", lambda s: None)
     monkeypatch.setattr(mod.subprocess, "run", lambda argv, **kw: SimpleNamespace(returncode=0))
-    args = Namespace(run="r", hostfile="h.json", fallback=True, restarts=1, python="py", remote_root="/r")
-    hf, rec, go = mod.recover(args, parse(JACCL, "h.json"), "runs/r", 1)
+    args = Namespace(run="r", hostfile="h.json", fallback=True, restarts=1, python="py", remote_root="/r",
+                     record={"run": "r"})
+    hf, rec, go = mod.recover(args, parse(JACCL, "h.json"), 1)
     assert go and rec["fallback"]["lost"] == ["b"] and [h.ssh for h in hf.hosts] == ["a", "c"]
     assert [h.rdma for h in hf.hosts] == [[None, "rdma_en4"], ["rdma_en4", None]] and hf.backend == "jaccl"
