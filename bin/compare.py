@@ -301,6 +301,8 @@ def plot_curves(path: Path, dual: dict, control: dict, base: float | None, verdi
 def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v: dict, cmd: list) -> dict:
     """report.json: the verdict, base / control / dual losses, speed, comparability and both runs' facts."""
     models = (ev or {}).get("models", {})
+    cta = json.dumps((dual["config"] or {}).get("chat_template_args") or {})
+    serve = ["--model", str(dual["model"]), "--adapter-path", str(dual["adapter"])]
     rows = {name: {**(m := models.get(name, {})), "evaluated": name in models, "adapter": r and r["adapter"],
                    "loss": (x := finite(m.get("loss"))), "ppl": None if x is None else math.exp(min(x, 700))}
             for name, r in (("base", None), ("control", control), ("dual", dual))}
@@ -319,17 +321,11 @@ def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v
         "evaluation": ev and {**ev, "models": rows, "split": f"datasets/{dual['dataset']}/test.jsonl"},
         "runs": {r["role"]: {k: x for k, x in r.items() if k not in ("metrics", "config")}
                  for r in (dual, control)},
-        "reproduce_compare": shlex.join(cmd), "serve": serve_lines(dual),
+        "reproduce_compare": shlex.join(cmd),  # then mlx-lm serving the adapter in the format it trained in
+        "serve": [f"# Serve the dual adapter in its training format (chat_template_args {cta}):",
+                  shlex.join(["mlx_lm", "generate", *serve, "--chat-template-config", cta, "--prompt", "Hi"]),
+                  shlex.join(["mlx_lm.server", *serve, "--chat-template-args", cta])],
     }
-
-
-def serve_lines(dual: dict) -> list[str]:
-    """mlx-lm's commands that serve the dual adapter in the chat format it was trained in."""
-    args = json.dumps((dual["config"] or {}).get("chat_template_args") or {})
-    base = ["--model", str(dual["model"]), "--adapter-path", str(dual["adapter"] or dual["best_adapter"])]
-    return [f"# Serve the adapter in its training format (chat_template_args {args}):",
-            shlex.join(["mlx_lm", "generate", *base, "--chat-template-config", args, "--prompt", "Hello"]),
-            shlex.join(["mlx_lm.server", *base, "--chat-template-args", args])]
 
 
 def render_md(rep: dict) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import shutil
 import sys
@@ -26,7 +27,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, chat, paths  # noqa: E402
+from lib import atomic, paths  # noqa: E402
 from lib.hashing import tree_hashes  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 
@@ -81,6 +82,18 @@ def already_there(out: Path, repo: str, commit: str, quant: dict | None) -> bool
     return True
 
 
+def chat_template(tok) -> dict | None:
+    """Its sha256, thinking mode and generation-prompt variant: `launch` when the thinking-off prompt ends in
+    text the conversation lacks (Gemma 4's launch template: an empty thought channel), else `current`."""
+    if not tok.has_chat_template:
+        return None
+    conv = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    full, prompt = (tok.apply_chat_template(conv[:n], tokenize=False, add_generation_prompt=n == 1,
+                                            enable_thinking=False) for n in (2, 1))
+    return {"sha256": hashlib.sha256(str(tok.chat_template).encode()).hexdigest(), "has_thinking":
+            tok.has_thinking, "variant": "current" if full.startswith(prompt) else "launch"}
+
+
 def main() -> int:
     args = build_parser().parse_args()
     quant = args.quantize and {"bits": args.quantize, "group_size": GROUP_SIZE, "mode": "affine",
@@ -111,7 +124,7 @@ def main() -> int:
                 with contextlib.redirect_stdout(sys.stderr):
                     convert(hf_path=str(snapshot), mlx_path=str(tmp), quantize=True, q_bits=args.quantize,
                             q_group_size=GROUP_SIZE)
-            files, tpl = hashes(tmp), chat.template_facts(load_tokenizer(tmp))  # sha256, thinking, variant
+            files, tpl = hashes(tmp), chat_template(load_tokenizer(tmp))
             atomic.write_json(tmp / "provenance.json", {
                 "fetched_by": "bin/model.py", "repo": args.repo, "revision": args.revision, "commit": commit,
                 "quantization": quant, "repo_quantization": config.get("quantization"), "chat_template": tpl,

@@ -233,7 +233,10 @@ def load_all(r) -> None:
         except (FileNotFoundError, ValueError, OSError) as e:
             raise failure(DATA, f"model {m} does not load on {host} ({type(e).__name__}: {e}); run "
                                 "`make sync SYNC_MODEL=1`") from e
-    chat.check_choice(tokenizer, cfg)
+    if tokenizer.has_thinking and "enable_thinking" not in (cfg["chat_template_args"] or {}):
+        raise RunbookError(f"the tokenizer of {m} has a thinking mode and the config does not choose it "
+                           "(mlx-lm would render thinking on): set `chat_template_args: {enable_thinking: "
+                           "false}` (as served elsewhere) or `{enable_thinking: true}`", "chat-format")
     rep.beat("tokenize", 0.0)
     bs, r.sets, r.counts, r.tokens, hashes, long = cfg["batch_size"], {}, {}, {}, {}, 0
     for split in SPLITS:
@@ -262,7 +265,9 @@ def load_all(r) -> None:
     if r.sets["valid"] is None and cfg["val_batches"] != 0:
         rep.warn(f"{d}/valid.jsonl missing or empty: training proceeds without validation")
     r.ds_sha = digest_of(hashes)  # export's dataset_sha256 (its manifest's, while the bytes are intact)
-    r.chat_format = chat.chat_format(tokenizer, r.sets["train"], cfg)
+    ids, k = r.sets["train"][0]  # smoke.json's chat_format: the first train record as trained
+    r.chat_format = {"chat_template_args": cfg["chat_template_args"], "has_thinking": tokenizer.has_thinking,
+                     "first_record": {"text": tokenizer.decode(ids), "tokens": len(ids), "loss_from": k}}
     r.optimizer = prepare_model(mx, r.model, cfg)
 
 

@@ -1,33 +1,14 @@
-"""chat: every chat-template rendering a run does (training, validation, test, compare) with the config's
-chat_template_args, and mask_prompt's offset the longest common token prefix of a record's prompt and the
-whole record. mlx-lm's datasets pass no arguments (so a thinking tokenizer such as Gemma 4's renders thinking
-on) and take the prompt's length, which over-masks where the prompt ends in tokens the record lacks (Gemma 4's
-launch template: an empty thought channel).
+"""chat: mlx-lm's datasets rendered with the config's chat_template_args (training, validation, test,
+compare), mask_prompt masking the longest common token prefix of a record's prompt and the record. mlx-lm
+passes no arguments (a thinking tokenizer, Gemma 4's, renders thinking on) and masks the prompt's length:
+too much where the prompt ends in tokens the record lacks (Gemma 4's launch template: an empty thought).
     ds = chat.dataset(records, tokenizer, cfg)  # mlx-lm's CacheDataset: ds[i] = (tokens, loss_from)
-    chat.check_choice(tokenizer, cfg); chat.template_facts(tokenizer)  # {sha256, has_thinking, variant}
 """
 
 from __future__ import annotations
 
-import hashlib
 import types
-
-from lib.log import RunbookError
-
-ANCHOR = "chat-format"
-
-
-def check_choice(tokenizer, cfg: dict) -> None:
-    """A tokenizer with a thinking mode trains in the format the config chose, not mlx-lm's default (on)."""
-    if tokenizer.has_thinking and "enable_thinking" not in (cfg["chat_template_args"] or {}):
-        raise RunbookError(f"the tokenizer of {cfg['model']} has a thinking mode and the config does not "
-                           "choose it (mlx-lm would render thinking on): set `chat_template_args: "
-                           "{enable_thinking: false}` (as served elsewhere) or `{enable_thinking: true}`",
-                           ANCHOR)
-
-
-def common(a: list, b: list) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+from os.path import commonprefix  # of any sequences: here token lists
 
 
 def split(tok, messages: list, args: dict, mask: bool, tools=None) -> tuple[list, int]:
@@ -39,8 +20,8 @@ def split(tok, messages: list, args: dict, mask: bool, tools=None) -> tuple[list
     if not mask:
         return full, 0
     prompt = render(messages[:-1], add_generation_prompt=messages[-1].get("role") == "assistant")
-    history = render(messages[:-1]) if (k := common(prompt, full)) < len(prompt) else prompt[:k]
-    if k < len(history) or common(history, prompt) < len(history):  # the prompt is not history + a suffix
+    history = render(messages[:-1]) if (k := len(commonprefix([prompt, full]))) < len(prompt) else prompt[:k]
+    if k < len(history) or prompt[:len(history)] != history:  # the prompt is not the history + a suffix
         raise ValueError(f"the prompt and the record part at token {k}, before the generation prompt: prompt "
                          f"{tok.decode(prompt[k:k + 8])!r} vs record {tok.decode(full[k:k + 8])!r} (ids "
                          f"{prompt[k:k + 8]} vs {full[k:k + 8]}); mask_prompt cannot tell the answer from "
@@ -60,23 +41,3 @@ def dataset(records: list, tokenizer, cfg: dict):
         ds.process = lambda d: split(tokenizer, [{"role": "user", "content": d[ds.prompt_key]}, {
             "role": "assistant", "content": d[ds.completion_key]}], args, ds.mask_prompt, d.get("tools"))
     return CacheDataset(ds)
-
-
-def chat_format(tokenizer, ds, cfg: dict) -> dict:
-    """smoke.json's chat_format: the arguments, the thinking mode, the first record (decoded) and its mask."""
-    tokens, k = ds[0]
-    return {"chat_template_args": cfg["chat_template_args"], "has_thinking": bool(tokenizer.has_thinking),
-            "first_record": {"text": tokenizer.decode(tokens), "tokens": len(tokens), "loss_from": k}}
-
-
-def template_facts(tokenizer) -> dict:
-    """The chat template's sha256, thinking mode and generation-prompt variant: `launch` when the thinking-off
-    prompt ends in text the record lacks (an empty thought channel), else `current`."""
-    if not tokenizer.has_chat_template:
-        return None
-    conv = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
-    full, prompt = (tokenizer.apply_chat_template(conv[:n], tokenize=False, add_generation_prompt=n == 1,
-                                                  enable_thinking=False) for n in (2, 1))
-    text = str(getattr(tokenizer, "chat_template", None) or "")
-    return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "has_thinking": bool(tokenizer.has_thinking),
-            "variant": "current" if full.startswith(prompt) else "launch"}

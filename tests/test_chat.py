@@ -9,18 +9,17 @@ is checked for any template: the prompt/record split is computed, not assumed.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
 import shutil
-import types
 
 import pytest
-from conftest import PY, run
+from conftest import PY, ROOT, run
 
 from lib import chat
 from lib import config as C
-from lib.log import RunbookError
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HTTPS_PROXY": "http://127.0.0.1:9"}
 SPECIALS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "<|tool>": 46, "<tool|>": 47,
@@ -166,32 +165,59 @@ def test_a_prompt_that_parts_from_the_record_before_the_answer_is_refused(varian
     assert f"{data / 'train.jsonl'}:1 (record_id r0) does not tokenize" in p.stderr and "prompt '?" in p.stderr
 
 
-def test_a_thinking_tokenizer_without_a_choice_is_refused(variants, tmp_path):
-    for args in (None, {}, {"add_generation_prompt": False}):
-        with pytest.raises(RunbookError, match="chat_template_args: {enable_thinking: false}") as e:
-            chat.check_choice(tokenizer(variants["launch"]), {"model": "m", "chat_template_args": args})
-        assert str(e.value).endswith("see RUNBOOK.md#chat-format")
-    chat.check_choice(types.SimpleNamespace(has_thinking=False), {"model": "m", "chat_template_args": None})
-    with pytest.raises(C.ConfigError, match="chat_template_args must be null or a mapping of keyword arguments"):
-        C.validate({"chat_template_args": ["enable_thinking"]})
-    with pytest.raises(C.ConfigError, match="chat_template_args must be"):
-        C.validate({"chat_template_args": {1: True}})
-    # through the trainer, when the run starts: the config error, naming the choice and the anchor
-    data, conf = tmp_path / "data", tmp_path / "c.yaml"
-    data.mkdir()
-    (data / "train.jsonl").write_text(json.dumps({"messages": TURNS[:2]}) + "\n")
-    conf.write_text("batch_size: 1\niters: 2\nsave_every: 2\n")
-    p = run([PY, "bin/train.py", "--config", str(conf), "--model", str(variants["launch"]), "--data", str(data),
-             "--run-dir", str(tmp_path / "run")], check=False, env=dict(os.environ, **OFFLINE))
-    assert p.returncode == 2, p.stderr[-2000:]
+def train(model, data_dir, conf, run_dir, records, config_text):
+    data_dir.mkdir(exist_ok=True)
+    (data_dir / "train.jsonl").write_text("".join(json.dumps({"messages": r}) + "\n" for r in records))
+    conf.write_text(config_text)
+    return run([PY, "bin/train.py", "--config", str(conf), "--model", str(model), "--data", str(data_dir),
+                "--run-dir", str(run_dir)], check=False, env=dict(os.environ, **OFFLINE))
+
+
+@pytest.mark.parametrize("args", [None, {}, {"add_generation_prompt": False}], ids=["unset", "empty", "other"])
+def test_a_thinking_tokenizer_without_a_choice_is_refused_when_the_run_starts(variants, tmp_path, args):
+    line = "" if args is None else f"chat_template_args: {json.dumps(args)}\n"
+    p = train(variants["launch"], tmp_path / "data", tmp_path / "c.yaml", tmp_path / "run", [TURNS[:2]] * 2,
+              "batch_size: 1\niters: 2\nsave_every: 2\n" + line)
+    assert p.returncode == 2, p.stderr[-2000:]  # a config error, naming the choice and the anchor
     assert "has a thinking mode and the config does not choose it" in p.stderr
+    assert "set `chat_template_args: {enable_thinking: false}`" in p.stderr
     assert p.stderr.strip().endswith("see RUNBOOK.md#chat-format")
     assert json.loads((tmp_path / "run" / "logs" / "rank-0.failure.json").read_text())["anchor"] == "chat-format"
 
 
-def test_template_facts_name_the_variant(variants):
+def test_the_choice_is_validated_recorded_and_optional_without_a_thinking_mode(variants, tmp_path):
+    with pytest.raises(C.ConfigError, match="chat_template_args must be null or a mapping of keyword arguments"):
+        C.validate({"chat_template_args": ["enable_thinking"]})
+    with pytest.raises(C.ConfigError, match="chat_template_args must be"):
+        C.validate({"chat_template_args": {1: True}})
+    conf = "num_layers: -1\nbatch_size: 1\niters: 2\nsave_every: 2\nval_batches: 0\nmask_prompt: true\n"
+    p = train(variants["launch"], tmp_path / "data", tmp_path / "c.yaml", tmp_path / "run", [TURNS[:2]] * 2,
+              conf + "chat_template_args: {enable_thinking: false}\n")
+    assert p.returncode == 0, p.stderr[-2000:]
+    joined = json.loads((tmp_path / "run" / "logs" / "rank-0.joined.json").read_text())
+    rec = joined["chat_format"]["first_record"]
+    assert joined["chat_format"]["chat_template_args"] == {"enable_thinking": False}
+    assert joined["chat_format"]["has_thinking"] is True
+    assert rec["text"] == expected(TURNS[:2], False, "launch") and rec["tokens"] > rec["loss_from"] > 0
+    adapter_cfg = json.loads((tmp_path / "run" / "adapters" / "adapter_config.json").read_text())
+    assert adapter_cfg["chat_template_args"] == {"enable_thinking": False}  # mlx-lm's adapter folder keeps it
+    # a tokenizer without a thinking mode (the tiny llama) needs no choice
+    run([PY, "demo/make_tiny_model.py", "--arch", "llama", "--out", str(tmp_path / "llama")],
+        env=dict(os.environ, **OFFLINE))
+    p = train(tmp_path / "llama", tmp_path / "data", tmp_path / "c.yaml", tmp_path / "run2", [TURNS[:2]] * 2, conf)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def model_script():
+    spec = importlib.util.spec_from_file_location("model_script", ROOT / "bin" / "model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_snapshots_template_is_described_with_its_variant(variants):
+    describe = model_script().chat_template
     for v, folder in variants.items():
-        tok = tokenizer(folder)
-        facts = chat.template_facts(tok)
+        facts = describe(tokenizer(folder))
         text = json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
         assert facts == {"sha256": hashlib.sha256(text.encode()).hexdigest(), "has_thinking": True, "variant": v}

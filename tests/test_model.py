@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from importlib.metadata import version
 from pathlib import Path
 
@@ -73,6 +74,12 @@ def test_make_model_fetches_offline_with_complete_provenance(hub, tmp_path):
     prov = json.loads((out / "provenance.json").read_text())
     assert (prov["repo"], prov["revision"], prov["commit"]) == (REPO, "v1.0", C1)
     assert prov["quantization"] is None and prov["repo_quantization"] is None
+    # the snapshot's chat template, as it renders: the tiny model's launch variant (an empty thought channel)
+    template = json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
+    assert prov["chat_template"] == {"sha256": hashlib.sha256(template.encode()).hexdigest(),
+                                     "has_thinking": True, "variant": "launch"}
+    assert re.search(r'chat_template {"sha256": "[0-9a-f]{64}", "has_thinking": true, "variant": "launch"}',
+                     p.stdout), p.stdout
     assert prov["tools"] == {"mlx": version("mlx"), "mlx_lm": version("mlx-lm"),
                              "huggingface_hub": version("huggingface_hub")}
     files = {k: v for k, v in folder_hashes(out).items() if k != "provenance.json"}
@@ -151,6 +158,9 @@ def test_quantize_4_gives_a_model_mlx_lm_loads_quantized(hub, tmp_path):
 
     model, _ = load(str(out))
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    # mlx-lm's convert quantizes the per-layer embedding table and projections too (widths of 64)
+    assert not [k for k, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)]
+    assert prov["chat_template"]["variant"] == "launch" and prov["chat_template"]["has_thinking"]
     # the same repo unquantized is another model: refused, not silently swapped
     p = fetch(hub, out, check=False)
     assert p.returncode == 1 and "(4-bit, group size 64), not" in p.stderr, p.stderr
