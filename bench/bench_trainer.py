@@ -164,8 +164,14 @@ def main() -> int:
     ours, theirs = [], []
     # Both with mlx-lm's maths (the mean of the ranks' mean losses): a config's `grad_average: tokens`
     # weighs the ranks by their tokens, which mlx-lm does not, and the reported losses would differ.
+    # And both in the one chat format raw `mlx_lm lora` renders (it takes no chat_template_args): its
+    # default, thinking on exactly when the tokenizer has a thinking mode.
+    from mlx_lm.utils import load_tokenizer
+
+    thinking = str(load_tokenizer(Path(args.model)).has_thinking).lower()
     config = work / "config.yaml"
-    config.write_text(re.sub(r"(?m)^grad_average:.*$", "", (ROOT / args.config).read_text()) + "\ngrad_average: mlx_lm\n")
+    config.write_text(re.sub(r"(?m)^(grad_average|chat_template_args):.*$", "", (ROOT / args.config).read_text())
+                      + f"\ngrad_average: mlx_lm\nchat_template_args: {{enable_thinking: {thinking}}}\n")
     try:
         for i in range(args.runs):
             for tool in (("trainer", "mlx_lm") if i % 2 == 0 else ("mlx_lm", "trainer")):

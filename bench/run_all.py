@@ -74,7 +74,7 @@ EXTERNAL = [
     ("sync", ["bench/bench_sync.py", "--mb", "200"], ["bench/bench_sync.py", "--mb", "4", "--reps", "1"], 150),
     ("trainer", ["bench/bench_trainer.py", "--config", "configs/demo.yaml", "--iters", "20", "--runs", "2",
                  "--data", f"datasets/{DATASET}"],
-     ["bench/bench_trainer.py", "--config", "configs/demo.yaml", "--iters", "4", "--runs", "1",
+     ["bench/bench_trainer.py", "--config", "configs/demo.yaml", "--iters", "10", "--runs", "1",
       "--data", f"datasets/{DATASET}"], 240),
     ("loss", ["bench/bench_loss.py"], ["bench/bench_loss.py", "--vocab", "16384", "--runs", "1"], 120),
     # its own 2-host pinned fabric
@@ -148,6 +148,8 @@ def run_external(name: str, argv: list[str], timeout: float) -> dict:
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = f"timed out after {timeout:g} s"
     sys.stdout.write(out)
+    if status in ("ok", "target missed") and not parse_metrics(out):
+        status, err = "error", f"exit {code} but no `name: value` line: the benchmark measured nothing\n{err}"
     if status not in ("ok", "target missed"):
         sys.stdout.write(err[-3000:])
     return {"name": name, "command": shlex.join(["python", *argv]), "exit_code": code, "status": status,
