@@ -59,9 +59,8 @@ def control_setup(args, hf):
     return dual, load_hostfile(args.hostfile)
 
 
-def recover(args, hf, n: int):
-    """Restart n: sweep, back off, drop hosts still unreachable (--fallback, last restart), parity gate."""
-    swept = launch.sweep(hf.unique_ssh(), args.record["run"])
+def recover(args, hf, n: int, swept: dict):
+    """Restart n (its launch swept): back off, drop hosts still unreachable (--fallback at the last), gate."""
     time.sleep(min(2.0 * 2 ** (n - 1), 60.0))  # 2 s, then twice as long each time, at most 60 s
     rec, lost = {"attempt": n, "swept": swept}, [h for h, v in swept.items() if v.startswith("unreachable")]
     if args.fallback and n == args.restarts and 0 < len(lost) < len(hf.unique_ssh()):
@@ -83,20 +82,17 @@ def recover(args, hf, n: int):
 
 
 def stop(run: str) -> int:
-    """make stop: SIGTERM to RUN's supervisor (it stops its launch, fetches, writes its summary); meanwhile
-    every host of RUN's manifests swept for its ranks (a dead supervisor's too); then its end awaited."""
+    """make stop: SIGTERM to RUN's supervisor (it stops its launch, fetches, writes its summary); every host
+    of RUN's manifests swept for its ranks meanwhile (a dead supervisor's too); then its end awaited, 60 s."""
     if pid := (supervisor.holder(paths.check_run_id(run)) or {}).get("pid"):
         os.kill(int(pid), signal.SIGTERM)
     mans = [paths.read_json(paths.RUNS / d / "manifest.json") for d in (run, run + "-control")]
     hosts = {check_hostname(h["ssh"], "ssh") for m in mans for h in m.get("hostfile", {}).get("hosts", [])}
-    swept = launch.sweep(sorted(hosts), run) if hosts else {}
-    deadline = time.monotonic() + 60  # for its fetch and summary
-    while supervisor.holder(run) is not None and time.monotonic() < deadline:
+    swept, deadline = launch.sweep(sorted(hosts), run) if hosts else {}, time.monotonic() + 60
+    while (held := supervisor.holder(run) is not None) and time.monotonic() < deadline:
         time.sleep(0.2)
     event("stop", run=run, supervisor=pid or "none", **swept)
-    if supervisor.holder(run) is not None:
-        return die(f"supervisor pid {pid} holds {run} 60 s after SIGTERM; see RUNBOOK.md#{supervisor.ANCHOR}")
-    return 0
+    return die(f"supervisor {pid} alive 60 s past SIGTERM; see RUNBOOK.md#{supervisor.ANCHOR}") if held else 0
 
 
 def main() -> int:
@@ -123,7 +119,7 @@ def main() -> int:
     log, world0, attempts = f"launch-{args.stage}.log", hf.size, []
     res, ev, run_argv, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, log, cfg["iters"])
     while cat == HANG and len(attempts) < args.restarts:  # restart: resume from the latest good checkpoint
-        hf, rec, go = recover(args, hf, len(attempts) + 1)
+        hf, rec, go = recover(args, hf, len(attempts) + 1, ev["swept"])
         attempts.append({**rec, "after": cat, "why": why, "last_step_seen": (res.steps or [None])[-1]})
         event("restart", run=args.run, attempt=len(attempts), of=args.restarts, after=why, world_size=hf.size,
               relaunch=go, **({"lost": rec["fallback"]["lost"]} if "fallback" in rec else {}))

@@ -93,6 +93,8 @@ def main() -> int:
     step, step_s = (train or [{}])[-1].get("step"), ranks.get("0", {}).get("step_s")
     verdict = {} if running else paths.read_json(run_dir / f"{stage}.json")
     sup = supervisor.holder(man.get("control_of") or args.run)  # a control's is its dual run's
+    by = "" if sup is None else f", supervised by pid {sup.get('pid')}" + (
+        f" (detached from its terminal: output in {sup['detached']})" if sup.get("detached") else "")
     silent = [r for r, v in ranks.items() if v["since_s"] > SILENT_S]
     code, why = next((c, w) for bad, c, w in (  # the first row that holds
         (not man, 3, f"no runs/{args.run}/manifest.json on this Mac"),
@@ -102,7 +104,7 @@ def main() -> int:
          f"RUN={args.run}, then RESUME=1; see RUNBOOK.md#{supervisor.ANCHOR}"),
         (running and remote is None, 3, "rank 0's host did not answer within 5 s"),
         (running and silent, 1, f"rank(s) {', '.join(silent)} silent for over {SILENT_S:g} s"),
-        (True, 0, f"step {step}/{iters}" if running else "finished")) if bad)
+        (True, 0, f"step {step}/{iters}{by}" if running else "finished")) if bad)
     eta = round((iters - step) * step_s, 1) if running and step is not None and step_s else None
     st = {"run": args.run, "stage": stage, "running": running, "reachable": remote is not None,
           "step": step, "iters": iters, "eta_s": eta, "train_loss": train[-1]["loss"] if train else None,
@@ -117,9 +119,6 @@ def main() -> int:
     hms = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta is not None else "-"
     print(f"STATUS {st['status']} - {why} | {stage} step {step}/{iters} eta {hms} loss {st['train_loss']} "
           f"trend {st['loss_trend']} val {st['last_val']} checkpoint {src['latest']}")
-    if sup is not None:
-        print(f"supervised by pid {sup.get('pid')} on {sup.get('host')}" + (f", detached from its terminal: "
-              f"its output goes to {sup['detached']}" if sup.get("detached") else ""))
     for r, v in ranks.items():
         print(f"rank {r}: step {v['last_step']}, {v['since_s']:.0f} s ago, {v['tok_per_s']} tok/s")
     for n, f in src["failures"].items():

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -295,7 +294,9 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
     watch, t0 = Watch(res := LaunchResult(returncode=-1, wall_s=0), total), time.monotonic()
     proc = subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
-    guard, _ = supervisor.guard(proc.pid), supervisor.write(args, launch_id=launch_id)
+    guard = subprocess.Popen([sys.executable, "-c", supervisor.GUARD, str(proc.pid)], stdin=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    supervisor.write(args, launch_id=launch_id)
     (reader := threading.Thread(target=watch.read, args=(proc.stdout, log_path), daemon=True)).start()
     while proc.poll() is None:
         time.sleep(0.2)
@@ -306,14 +307,9 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
             res.watchdog_fired, res.stopped = not args.stop, args.stop
             print(f"{args.stop}: stopping every rank" if args.stop else f"watchdog: no progress for "
                   f"{idle:.0f} s (window {window:.0f} s); stopping every rank", flush=True)
-            for sig in (signal.SIGTERM, signal.SIGKILL):  # the launcher's process group; SIGKILL after 5 s
-                with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
-                    os.killpg(proc.pid, sig)
-                    proc.wait(timeout=5)
-                    break
             break
+    guard.communicate(b"" if res.stopped or res.watchdog_fired else b"done")  # b"": the guard stops it
     proc.wait()
-    guard.communicate(b"done")
     reader.join(timeout=10)
     res.returncode, res.last_progress_s, res.wall_s = proc.returncode, watch.last - t0, time.monotonic() - t0
     swept, fetched = sweep(hf.unique_ssh(), args.record["run"]), {}

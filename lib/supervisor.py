@@ -6,21 +6,22 @@ detaches it, its output to runs/<RUN>/logs/supervisor.log, and the run goes on. 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 from lib import paths
 from lib.log import RunbookError
 
 ANCHOR = "one-launch-per-run"
-# The launch's guard, in its own session: EOF on stdin with nothing read means the supervisor died (SIGKILL
-# too), so it stops the launch's process group (mlx.launch and its ssh clients: the remote ranks get SIGHUP).
+# The launch's guard (lib/launch.py), in its own session: EOF on stdin with nothing read means the supervisor
+# died or stops the launch, so it stops the launch's process group (mlx.launch and its ssh clients: then the
+# remote ranks get SIGHUP), SIGKILL 2 s after SIGTERM.
 GUARD = ("import os, sys, time\nif not sys.stdin.read():\n    for s in (15, 9):\n"
          "        os.killpg(int(sys.argv[1]), s)\n        time.sleep(2)")
 
@@ -38,13 +39,11 @@ def busy(run: str, rec: dict) -> str:
 
 def holder(run: str) -> dict | None:
     """The record of the live supervisor that holds RUN ({} while it writes it), else None."""
-    try:
-        with open(paths.RUNS / run / "supervisor.lock") as f:
+    with contextlib.suppress(FileNotFoundError), open(lock := paths.RUNS / run / "supervisor.lock") as f:
+        with contextlib.suppress(BlockingIOError):
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return paths.read_json(paths.RUNS / run / "supervisor.lock")
-    except FileNotFoundError:
-        pass
+            return None
+        return paths.read_json(lock)
     return None
 
 
@@ -63,7 +62,8 @@ def hold(args, stage: str) -> None:
         fcntl.flock(args.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise RunbookError(busy(args.run, holder(args.run) or {}), ANCHOR) from None
-    if old := (args.lock.seek(0), args.lock.read().strip())[1]:
+    args.lock.seek(0)
+    if old := args.lock.read().strip():
         print(f"supervisor: took over runs/{args.run}/supervisor.lock from {old}: it is gone", flush=True)
     args.stop, args.record = None, {}
     write(args, pid=os.getpid(), host=socket.gethostname(), stage=stage, run=args.run,
@@ -82,12 +82,6 @@ def detach(args) -> None:
     write(args, detached=paths.rel(log))
     if os.path.isfile("/usr/bin/caffeinate"):
         subprocess.Popen(["/usr/bin/caffeinate", "-i", "-w", str(os.getpid())], start_new_session=True)
-
-
-def guard(pgid: int) -> subprocess.Popen:
-    """GUARD over the launch's process group; `.communicate(b"done")` once the launch has ended."""
-    return subprocess.Popen([sys.executable, "-c", GUARD, str(pgid)], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def release(args, code: int) -> int:

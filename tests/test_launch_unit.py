@@ -261,12 +261,11 @@ def test_a_fallback_drops_the_lost_hosts_rdma_columns_too(tmp_path, monkeypatch)
 
     mod = load_run_py()
     monkeypatch.setattr(mod.paths, "RUNS", tmp_path)
-    monkeypatch.setattr(mod.launch, "sweep", lambda hf, run_rel: {"a": "clean", "b": "unreachable: x", "c": "clean"})
     monkeypatch.setattr(mod, "run_on", lambda host, argv, timeout: SimpleNamespace(ok=False))
     monkeypatch.setattr(mod.time, "sleep", lambda s: None)
     monkeypatch.setattr(mod.subprocess, "run", lambda argv, **kw: SimpleNamespace(returncode=0))
-    args = Namespace(run="r", hostfile="h.json", fallback=True, restarts=1, python="py", remote_root="/r",
-                     record={"run": "r"})
-    hf, rec, go = mod.recover(args, parse(JACCL, "h.json"), 1)
+    args = Namespace(run="r", hostfile="h.json", fallback=True, restarts=1, python="py", remote_root="/r")
+    swept = {"a": "clean", "b": "unreachable: x", "c": "clean"}  # the launch's sweep
+    hf, rec, go = mod.recover(args, parse(JACCL, "h.json"), 1, swept)
     assert go and rec["fallback"]["lost"] == ["b"] and [h.ssh for h in hf.hosts] == ["a", "c"]
     assert [h.rdma for h in hf.hosts] == [[None, "rdma_en4"], ["rdma_en4", None]] and hf.backend == "jaccl"
