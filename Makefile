@@ -33,6 +33,7 @@ SEED        ?=
 TINY_SEED   ?= 0
 LAYOUT      ?= text
 QUANT       ?=
+TEMPLATE    ?= launch
 HF_REPO     ?=
 REVISION    ?=
 QUANTIZE    ?=
@@ -98,17 +99,17 @@ $(STAMPS):
 	mkdir -p $@
 
 # ---- generated inputs ----------------------------------------------------------
-## tiny-model: generate models/tiny-$(ARCH) (random weights, local BPE tokenizer; ARCH=gemma4|llama; LAYOUT=released and QUANT=4|8 add -released, -q4)
+## tiny-model: generate models/tiny-$(ARCH) (random weights, local BPE tokenizer; ARCH=gemma4|llama; LAYOUT=released, QUANT=4|8 and TEMPLATE=current add -released, -q4, -current)
 .PHONY: tiny-model
-tiny-model: models/tiny-$(ARCH)$(if $(filter released,$(LAYOUT)),-released)$(if $(QUANT),-q$(QUANT))/config.json
+tiny-model: models/tiny-$(ARCH)$(if $(filter released,$(LAYOUT)),-released)$(if $(QUANT),-q$(QUANT))$(if $(filter current,$(TEMPLATE)),-current)/config.json
 
 # Not on $(LIB): the generator is deterministic and a rebuilt model (new mtime) would show as
 # changed on every host; a change to the generator itself does rebuild it, and so does
 # another TINY_SEED (its stamp is rewritten only when the seed changes).
-# The folder name says what is in it: tiny-<arch>[-released][-q4|-q8].
+# The folder name says what is in it: tiny-<arch>[-released][-q4|-q8][-current] (gemma4's chat template).
 tiny_words = $(subst -, ,$*)
 models/tiny-%/config.json: demo/make_tiny_model.py $(VENV)/.stamp $(STAMPS)/tiny-%.seed
-	$(PY) demo/make_tiny_model.py --arch $(firstword $(tiny_words)) --seed $(TINY_SEED) --out models/tiny-$*$(if $(filter released,$(tiny_words)), --layout released)$(if $(filter q4 q8,$(tiny_words)), --quantize $(patsubst q%,%,$(filter q4 q8,$(tiny_words))))
+	$(PY) demo/make_tiny_model.py --arch $(firstword $(tiny_words)) --seed $(TINY_SEED) --out models/tiny-$*$(if $(filter released,$(tiny_words)), --layout released)$(if $(filter q4 q8,$(tiny_words)), --quantize $(patsubst q%,%,$(filter q4 q8,$(tiny_words))))$(if $(filter current,$(tiny_words)), --template current)
 
 .PRECIOUS: $(STAMPS)/tiny-%.seed
 $(STAMPS)/tiny-%.seed: export TINY_SEED_VALUE = $(TINY_SEED)

@@ -101,6 +101,7 @@ def run_facts(role: str, run_id: str) -> dict:
         "attempts": len(summary.get("attempts") or []), "git": man.get("git") or {},
         "config": cfg, "seed": cfg.get("seed"), "batch_size": (bs := cfg.get("batch_size")),
         "global_batch": bs and bs * (cfg.get("grad_accumulation_steps") or 1),
+        "chat_template_args": cfg.get("chat_template_args"),  # the chat format it trained in
         "adapter": paths.rel(adapter) if (adapter / "adapters.safetensors").is_file() else None,
         "stage_wall_s": finite(summary.get("wall_s")), "metrics": mets, "tok_per_s": finite(throughput(mets)),
         "checkpoints_written": sum(m.get("kind") == "checkpoint" for m in mets),
@@ -301,7 +302,7 @@ def plot_curves(path: Path, dual: dict, control: dict, base: float | None, verdi
 def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v: dict, cmd: list) -> dict:
     """report.json: the verdict, base / control / dual losses, speed, comparability and both runs' facts."""
     models = (ev or {}).get("models", {})
-    cta = json.dumps((dual["config"] or {}).get("chat_template_args") or {})
+    cta = json.dumps(dual["chat_template_args"] or {})
     serve = ["--model", str(dual["model"]), "--adapter-path", str(dual["adapter"])]
     rows = {name: {**(m := models.get(name, {})), "evaluated": name in models, "adapter": r and r["adapter"],
                    "loss": (x := finite(m.get("loss"))), "ppl": None if x is None else math.exp(min(x, 700))}

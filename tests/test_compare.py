@@ -591,6 +591,11 @@ def test_end_to_end_pass_then_thunder_path(world, trained):
                    f"make train RUN={run_id} ", f"make control RUN={run_id} ", f"make compare RUN={run_id}",
                    f"{lo['dual']:.4f}", f"{lo['control']:.4f}", f"{lo['base']:.4f}", "loss_curves.png"):
         assert needle in md, needle
+    # ...and how to serve the dual adapter in the chat format it trained in (#26; raw mlx_lm lora: no args)
+    serve = ["--model", d["model"], "--adapter-path", d["adapter"]]
+    assert shlex.join(["mlx_lm.server", *serve, "--chat-template-args", "{}"]) in md, md
+    assert shlex.join(["mlx_lm", "generate", *serve, "--chat-template-config", "{}", "--prompt", "Hi"]) in md
+    assert rep["serve"][1:] == [line for line in md.splitlines() if line.startswith("mlx_lm")]
     # It starts with how to reproduce the data: the export command with the corpus and its sha256.
     export = shlex.join(["make", "export", f"CORPUS=datasets/{world['tag']}/corpus.jsonl", f"DATASET={world['dataset']}"])
     assert export in md and md.index(export) < md.index(f"make train RUN={run_id} "), md[:3000]

@@ -132,6 +132,13 @@ def check_smoke(run, fabric, hosts):
     assert summary["ok"] and summary["world_size"] == n, summary
     for name in ("joined", "real_data", "checkpoint", "validation", "resume"):
         assert summary["criteria"][name]["ok"], (name, summary["criteria"][name])
+    # The chat format the ranks trained in (#26): the config's choice, the first record as rendered
+    fmt, man = summary["chat_format"], json.loads((ROOT / f"runs/{run}/manifest.json").read_text())
+    assert fmt["chat_template_args"] == summary["chat_template_args"] == man["chat_template_args"] \
+        == {"enable_thinking": False} and fmt["has_thinking"] is True
+    rec = fmt["first_record"]
+    assert rec["text"].startswith("<bos><|turn>") and "<|think|>" not in rec["text"]
+    assert rec["text"].endswith("<turn|>\n") and 0 <= rec["loss_from"] < rec["tokens"]
     # Every rank's log came home; the checkpoint came from rank 0's host.
     logs = ROOT / f"runs/{run}/smoke/logs"
     assert {f"rank-{r}.log" for r in range(n)} <= {f.name for f in logs.iterdir()}

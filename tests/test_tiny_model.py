@@ -287,7 +287,8 @@ def test_make_rebuilds_on_another_seed_and_only_then():
 
 # ---- Gemma 4's released layout and the 4-bit forms (issue #18) ----------------------------------
 FORMS = {"released": ["--layout", "released"], "q4": ["--quantize", "4"],
-         "released-q4": ["--layout", "released", "--quantize", "4"]}
+         "released-q4": ["--layout", "released", "--quantize", "4"],
+         "released-q4-current": ["--layout", "released", "--quantize", "4", "--template", "current"]}
 TOWER_PREFIXES = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
 
 
@@ -400,6 +401,8 @@ def test_make_names_the_forms():
             "--layout released --quantize 4") in p.stdout
     p = make("-n", "-B", "tiny-model", "QUANT=8")
     assert "--out models/tiny-gemma4-q8 --quantize 8" in p.stdout
+    p = make("-n", "-B", "tiny-model", "QUANT=4", "TEMPLATE=current")
+    assert "--out models/tiny-gemma4-q4-current --quantize 4 --template current" in p.stdout
 
 
 LORA_CONFIG = """\
@@ -416,13 +419,14 @@ val_batches: 1
 test: true
 test_batches: 1
 max_seq_length: 96
+mask_prompt: true
 chat_template_args: {enable_thinking: false}
 seed: 0
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["released", "released-q4"])
+@pytest.mark.parametrize("form", ["released", "released-q4", "released-q4-current"])
 def test_lora_trains_and_the_adapter_loads_in_fuse_and_generate(forms, chat_data, form, tmp_path):
     """bin/train.py as one rank (no mlx.launch), then mlx-lm's own fuse and generate on the adapter."""
     cfg = tmp_path / "lora.yaml"
@@ -437,6 +441,13 @@ def test_lora_trains_and_the_adapter_loads_in_fuse_and_generate(forms, chat_data
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
     adapters = run_dir / "adapters"
     assert (adapters / "adapters.safetensors").is_file()
+    # mask_prompt: the loss starts right after `<|turn>model\n` in either template variant (issue #26)
+    from mlx_lm.utils import load_tokenizer
+
+    first = json.loads((run_dir / "logs" / "rank-0.joined.json").read_text())["chat_format"]["first_record"]
+    ids = load_tokenizer(forms[form]).encode(first["text"], add_special_tokens=False)
+    assert len(ids) == first["tokens"] and load_tokenizer(forms[form]).decode(ids[:first["loss_from"]]).endswith(
+        "<|turn>model\n")
     # Exact resume on this layout: stopped after step 2, resumed to step 3, the same adapter bit for bit.
     assert_resumes_exactly(cfg, forms[form], chat_data, run_dir, tmp_path / "resumed", env)
 
@@ -448,7 +459,7 @@ def test_lora_trains_and_the_adapter_loads_in_fuse_and_generate(forms, chat_data
     # LoRA sits on QuantizedLinear in the 4-bit form
     wrapped = {k: m.linear for k, m in model.named_modules() if isinstance(m, LoRALinear)}
     q_proj = [m for k, m in wrapped.items() if k.endswith("self_attn.q_proj")]
-    assert q_proj and all(isinstance(m, nn.QuantizedLinear) == form.endswith("q4") for m in q_proj)
+    assert q_proj and all(isinstance(m, nn.QuantizedLinear) == ("-q4" in form) for m in q_proj)
     p = run([PY, "-m", "mlx_lm", "generate", "--model", str(forms[form]), "--adapter-path", str(adapters),
              "--prompt", "What is a list?", "--max-tokens", "4", "--temp", "0",
              "--chat-template-config", '{"enable_thinking": false}'], env=env, timeout=120)
