@@ -6,6 +6,7 @@ detaches it, its output to runs/<RUN>/logs/supervisor.log, and the run goes on. 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -20,10 +21,9 @@ from lib.log import RunbookError
 
 ANCHOR = "one-launch-per-run"
 # The launch's guard (lib/launch.py), in its own session: EOF on stdin with nothing read means the supervisor
-# died or stops the launch, so it stops the launch's process group (mlx.launch and its ssh clients: then the
-# remote ranks get SIGHUP), SIGKILL 2 s after SIGTERM.
-GUARD = ("import os, sys, time\nif not sys.stdin.read():\n    for s in (15, 9):\n"
-         "        os.killpg(int(sys.argv[1]), s)\n        time.sleep(2)")
+# died or stops the launch, so it SIGKILLs the launch's process group (mlx.launch and its ssh -tt clients: the
+# remote ranks get SIGHUP; checkpoints are atomic).
+GUARD = "import os, sys\nif not sys.stdin.read():\n    os.killpg(int(sys.argv[1]), 9)"
 
 
 def pattern(run: str) -> str:
@@ -66,6 +66,7 @@ def hold(args, stage: str) -> None:
     if old := args.lock.read().strip():
         print(f"supervisor: took over runs/{args.run}/supervisor.lock from {old}: it is gone", flush=True)
     args.stop, args.record = None, {}
+    atexit.register(args.lock.truncate, 0)  # any clean exit: an empty record, no takeover to say
     write(args, pid=os.getpid(), host=socket.gethostname(), stage=stage, run=args.run,
           started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -85,8 +86,7 @@ def detach(args) -> None:
 
 
 def release(args, code: int) -> int:
-    """A clean end (an empty record: no takeover to say); detached and passed, the stamp make cannot touch."""
+    """The stage's end: detached and passed, the stamp that make, gone with the terminal, cannot touch."""
     if code == 0 and args.record.get("detached") and (stamps := paths.ROOT / ".stamps").is_dir():
         (stamps / f"{args.record['stage']}.{args.record['run']}").touch()
-    args.lock.truncate(0)
     return code
