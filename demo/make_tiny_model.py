@@ -3,7 +3,7 @@
 
 Usage:
     python demo/make_tiny_model.py --arch gemma4|llama --seed N --out DIR [--layout text|released]
-        [--quantize 4|8] [--vocab-size N] [--dtype float32|bfloat16|float16] [--force]
+        [--quantize 4|8] [--template launch|current] [--vocab-size N] [--dtype float32|bfloat16|float16] [--force]
 
 Example:
     .venv/bin/python demo/make_tiny_model.py --arch gemma4 --layout released --quantize 4 --out models/tiny-q4
@@ -11,7 +11,9 @@ Example:
 DIR gets the Hugging Face layout mlx-lm loads offline: config.json, model.safetensors (Linear and
 Embedding ~ N(0, 0.02^2) seeded by (seed, sha256(name))), a byte-level BPE tokenizer trained here on
 `pydoc_data.topics` with the family's specials and chat template, and provenance.json. gemma4 keeps Gemma 4
-E2B's traits at toy sizes (sliding/full attention, KV sharing, per-layer inputs, soft-capping); --layout
+E2B's traits at toy sizes (sliding/full attention, KV sharing, per-layer inputs, soft-capping), Gemma 4's
+special tokens at their ids, its chat format (--template: the launch or the current generation prompt) and
+generation_config.json's eos ids, and widths that quantize at group size 64 as the real ones do; --layout
 released is the `gemma4` wrapper (text weights under model.language_model.*, stand-in towers mlx-lm drops);
 --quantize runs mlx-lm's quantize_model. Same seed and versions, same bytes. The folder is loaded back and
 checked before it replaces DIR, and only a DIR this script made (or --force).
@@ -390,6 +392,8 @@ def main() -> int:
             raise RunbookError(f"--vocab-size {args.vocab_size} is out of range: use 512..65536", ANCHOR)
         if args.layout == "released" and args.arch != "gemma4":
             raise RunbookError("--layout released is Gemma 4's released layout: use it with --arch gemma4", ANCHOR)
+        if args.template == "current" and args.arch != "gemma4":
+            raise RunbookError("--template picks Gemma 4's generation prompt: use it with --arch gemma4", ANCHOR)
         check_replaceable(args.out, args.force)
         texts, text_sha = training_text()
         tok = train_tokenizer(args.arch, args.vocab_size, texts)

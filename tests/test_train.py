@@ -54,7 +54,7 @@ val_batches: 2
 test: true
 test_batches: 2
 max_seq_length: 96
-chat_template_args: {enable_thinking: false}
+chat_template_args: {enable_thinking: true}   # what raw mlx_lm lora renders (it takes no arguments): comparable
 seed: 3
 keep_last_k: 2
 """
