@@ -36,11 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, launch, paths  # noqa: E402
+from lib import atomic, hostfile, launch, paths  # noqa: E402
 from lib import config as C  # noqa: E402
 from lib.hashing import sha256_file  # noqa: E402
-from lib.hostfile import Hostfile, check_path  # noqa: E402
-from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import OOM_RE, PARITY, RunbookError, die, event, failure  # noqa: E402
 from lib.remote import run_on  # noqa: E402
 
@@ -318,7 +316,7 @@ def phase_compute(args, hf, cfg: dict, probe_id: str, hosts: list[dict]) -> None
     for h in hosts:
         spec = {"probe_id": probe_id, "cfg": cfg, "host": h["ssh"], "budget_s": args.budget_s, "must": must,
                 "max_batch": args.max_batch, "steps": args.steps, "mem_fraction": MEM_FRACTION}
-        alone = Hostfile(args.hostfile, [hf.hosts[h["ranks"][0]]])  # over ssh, not mlx.launch
+        alone = hostfile.Hostfile(args.hostfile, [hf.hosts[h["ranks"][0]]])  # over ssh, not mlx.launch
         argv = launch.launch_argv(args.hostfile, alone, args.python, args.remote_root,
                                   ["--compute-probe", json.dumps(spec)], script=SCRIPT)
         event("calibrate-phase", phase="compute", host=h["ssh"], budget_s=args.budget_s)
@@ -375,9 +373,9 @@ def measure(args, hf, cfg: dict, probe_id: str) -> dict:
 def orchestrate(args) -> int:
     t0, probe_id, load_start = time.time(), f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}", os.getloadavg()
     try:
-        hf, cfg = load_hostfile(args.hostfile), C.load_config(args.config)
-        check_path(args.remote_root, "REMOTE_ROOT")
-        check_path(args.python, "PYTHON")
+        hf, cfg = hostfile.load(args.hostfile), C.load_config(args.config)
+        hostfile.check_path(args.remote_root, "REMOTE_ROOT")
+        hostfile.check_path(args.python, "PYTHON")
         if not 4 <= args.min_bytes <= args.max_bytes or min(args.budget_s, args.max_batch, args.steps) <= 0:
             raise RunbookError(f"--min-bytes {args.min_bytes} / --max-bytes {args.max_bytes}: need 4 <= min "
                                "<= max; --budget-s, --max-batch, --steps: positive", ANCHOR)

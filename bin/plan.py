@@ -29,11 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bin.compare import DEFAULT_MIN_SPEEDUP, DEFAULT_TOLERANCE  # noqa: E402
-from lib import atomic, launch, paths  # noqa: E402
+from lib import atomic, hostfile, launch, paths  # noqa: E402
 from lib import config as C  # noqa: E402
 from lib.hashing import sha256_file  # noqa: E402
-from lib.hostfile import check_path  # noqa: E402
-from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import CATEGORIES, THUNDER, RunbookError, die, event  # noqa: E402
 
 ANCHOR, VERSION, CHUNK = "plan", "2.0.0", 50_000  # CHUNK: the assistant's coordinator chunking threshold
@@ -120,9 +118,9 @@ def load_calibration(c) -> tuple[dict, str]:
 
 def gather(args) -> types.SimpleNamespace:
     """Every input, read once: the hostfile and config (bad ones are errors), the rest as found."""
-    hf, cfg = load_hostfile(args.hostfile), C.load_config(args.config)
-    check_path(args.remote_root, "REMOTE_ROOT")
-    check_path(args.python, "PYTHON")
+    hf, cfg = hostfile.load(args.hostfile), C.load_config(args.config)
+    hostfile.check_path(args.remote_root, "REMOTE_ROOT")
+    hostfile.check_path(args.python, "PYTHON")
     paths.check_run_id(args.run)
     v = {"HOSTFILE": args.hostfile, "CONFIG": args.config, "MODEL": args.model, "DATASET": args.dataset,
          "REMOTE_ROOT": args.remote_root, "PYTHON": args.python, "RUN": args.run}

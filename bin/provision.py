@@ -26,10 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, paths  # noqa: E402
+from lib import atomic, hostfile, paths  # noqa: E402
 from lib.hashing import sha256_file  # noqa: E402
-from lib.hostfile import check_path, is_local  # noqa: E402
-from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
 from lib.remote import rsh, run_on  # noqa: E402
 
@@ -99,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def venv_of(python: str) -> str:
     """PYTHON's venv folder; refused unless PYTHON is <venv>/bin/python* outside a system prefix."""
-    venv = os.path.normpath(str(Path(check_path(python, "PYTHON")).parent.parent))
+    venv = os.path.normpath(str(Path(hostfile.check_path(python, "PYTHON")).parent.parent))
     if (Path(python).parent.name != "bin" or not re.match(r"^python(3(\.\d+)?)?$", Path(python).name)
             or venv in SYSTEM_PREFIXES or venv.count("/") < 2):
         raise RunbookError(f"PYTHON {python} is not a venv interpreter (<venv>/bin/python, not in a system "
@@ -144,7 +142,7 @@ def provision_host(host: str, args, venv: str, marker: str) -> bool:
         with WHEELS:  # downloaded by the first host that needs them
             house = wheelhouse()
         wheels = str(house or "")
-        if house and not is_local(host):  # this machine's wheels, shipped beside the venv
+        if house and not hostfile.is_local(host):  # this machine's wheels, shipped beside the venv
             wheels = f"{venv}.wheels"
             r = run_on(host, ["rsync", "-a", "--delete", "-e", rsh(), f"{house}/", f"{host}:{wheels}/"],
                        timeout=TIMEOUT, local=True)
@@ -173,9 +171,9 @@ def provision_host(host: str, args, venv: str, marker: str) -> bool:
 def main() -> int:
     args = build_parser().parse_args()
     try:
-        t0, hosts, venv = time.monotonic(), load_hostfile(args.hostfile).unique_ssh(), venv_of(args.python)
+        t0, hosts, venv = time.monotonic(), hostfile.load(args.hostfile).unique_ssh(), venv_of(args.python)
         if args.base_python:
-            check_path(args.base_python, "BASE_PYTHON")
+            hostfile.check_path(args.base_python, "BASE_PYTHON")
     except RunbookError as e:
         return die(e, 2)
     event("provision-start", hosts=len(hosts), venv=venv, python=args.python_version,

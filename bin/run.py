@@ -28,9 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, launch, paths, supervisor  # noqa: E402
+from lib import atomic, hostfile, launch, paths, supervisor  # noqa: E402
 from lib.hostfile import check_hostname  # noqa: E402
-from lib.hostfile import load as load_hostfile  # noqa: E402
 from lib.log import HANG, RunbookError, die, event  # noqa: E402
 from lib.remote import run_on  # noqa: E402
 
@@ -56,7 +55,7 @@ def control_setup(args, hf):
     one = {"ssh": ssh, "ips": ips, "rdma": [None] if hf.backend.startswith("jaccl") else []}  # jaccl: 1 x 1
     atomic.write_json(path, {"backend": hf.backend, "envs": hf.envs, "hosts": [one]})
     args.hostfile = paths.rel(path)
-    return dual, load_hostfile(args.hostfile)
+    return dual, hostfile.load(args.hostfile)
 
 
 def recover(args, hf, n: int, swept: dict):
@@ -70,7 +69,7 @@ def recover(args, hf, n: int, swept: dict):
             left = [{"ssh": h.ssh, "ips": h.ips, "rdma": [d for j, d in enumerate(h.rdma) if j in keep]}
                     for h in hf.hosts if h.rank in keep]
             atomic.write_json(path, {"backend": hf.backend, "envs": hf.envs, "hosts": left})
-            args.hostfile, hf = paths.rel(path), load_hostfile(path)
+            args.hostfile, hf = paths.rel(path), hostfile.load(path)
             rec["fallback"] = {"lost": lost, "hosts": [h.ssh for h in hf.hosts], "hostfile": args.hostfile}
             man = paths.RUNS / args.run / "manifest.json"
             atomic.write_json(man, {**paths.read_json(man), "fallback": rec["fallback"]})
