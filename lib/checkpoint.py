@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lib import atomic, jsonl
+from lib import atomic, jsonl, paths
 from lib.config import diff_keys
 from lib.hashing import sha256_file
 from lib.log import DATA, RunbookError, failure
@@ -69,10 +69,7 @@ def verify(path: os.PathLike | str) -> tuple[bool, str]:
 
 def read_state(path: os.PathLike | str) -> dict:
     """A checkpoint's state.json, {} when it does not read (verify says why)."""
-    try:
-        return json.loads((Path(path) / STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
+    return paths.read_json(Path(path) / STATE)
 
 
 def listing(root: os.PathLike | str) -> list[Path]:
