@@ -4,6 +4,7 @@ re-exported here."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from fabric_cli import SPLITS, copy_code, write_manifest  # noqa: E402
 
-__all__ = ["SPLITS", "copy_code", "shard_model", "write_manifest"]
+__all__ = ["SPLITS", "copy_code", "path_without", "shard_model", "write_manifest"]
 
 
 def shard_model(model: Path, n: int = 2) -> list[str]:
@@ -33,3 +34,14 @@ def shard_model(model: Path, n: int = 2) -> list[str]:
     (model / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return files
+
+
+def path_without(tool: str, bindir: Path) -> str:
+    """A PATH of one folder, `bindir`, linking every program on this PATH but `tool`: this machine
+    as it would be without it."""
+    bindir.mkdir(parents=True, exist_ok=True)
+    for d in os.environ["PATH"].split(os.pathsep):
+        for exe in Path(d).glob("*") if Path(d).is_dir() else []:
+            if exe.name != tool and not (bindir / exe.name).exists() and os.access(exe, os.X_OK):
+                (bindir / exe.name).symlink_to(exe)
+    return str(bindir)

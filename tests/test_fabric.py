@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PY, ROOT, make, require_fabric, run
+from support import path_without
 
 pytestmark = pytest.mark.fabric
 
@@ -72,13 +73,7 @@ def test_unavailable_says_why_and_tests_skip_or_fail_under_require_fabric(monkey
 
 def test_make_test_without_the_fabric_says_what_it_skipped_and_why(tmp_path):
     """Issue #25: without the fabric's tools, the summary says how many fabric tests it skipped and why."""
-    bindir = tmp_path / "bin"  # this machine's PATH without `ip`
-    bindir.mkdir()
-    for d in os.environ["PATH"].split(os.pathsep):
-        for exe in Path(d).glob("*") if Path(d).is_dir() else []:
-            if exe.name != "ip" and not (bindir / exe.name).exists():
-                (bindir / exe.name).symlink_to(exe)
-    env = {k: v for k, v in os.environ.items() if k != "REQUIRE_FABRIC"} | {"PATH": str(bindir)}
+    env = {k: v for k, v in os.environ.items() if k != "REQUIRE_FABRIC"} | {"PATH": path_without("ip", tmp_path / "bin")}
     p = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fabric.py",
              "-k", "all_sum_across_two_hosts or each_host_has_its_own_address"], env=env, check=False)
     tail = p.stdout[p.stdout.rfind("fabric tests skipped") - 40:]
