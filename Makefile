@@ -85,9 +85,11 @@ setup: $(VENV)/.stamp
 $(VENV)/.stamp: $(LOCK) bin/find_python.sh
 	rm -rf $(VENV)
 	"$$(bash bin/find_python.sh $(BOOTSTRAP_PYTHON))" -m venv $(VENV)
-	@echo "setup: installing $(LOCK) into $(VENV) (hash-checked; a minute or two the first time)"
-	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r $(LOCK)
-	$(PY) -m pip check
+	@echo "setup: installing $(LOCK) into $(VENV) (hash-checked; seconds from uv's cache, a minute or two the first time)"
+	awk '/^uv==/ {p = 1} p {print} p && !/\\$$/ {exit}' $(LOCK) > $(VENV)/uv.lock
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r $(VENV)/uv.lock
+	$(VENV)/bin/uv pip install --quiet --python $(PY) --require-hashes --no-deps -r $(LOCK)
+	$(VENV)/bin/uv pip check --python $(PY)
 	touch $@
 
 ## lock: regenerate requirements.lock (hashed, universal: macOS arm64 + Linux x86_64, Python >= 3.11)
@@ -236,23 +238,23 @@ $(STAMPS)/control.$(RUN): $(STAMPS)/smoke.$(RUN) $(CONFIG) $(call stale,runs/$(R
 	$(CAFFEINATE)$(PY) bin/run.py --stage control --config $(CONFIG) $(LAUNCH_ARGS)$(RESTART_ARGS)$(if $(CONTROL_HOST), --control-host $(CONTROL_HOST))
 	touch $@
 
-## compare: dual vs control vs base on the test split (TOLERANCE=0.02 MIN_SPEEDUP=1 MIN_GAIN=0 TEST_BATCHES=-1); writes runs/$(RUN)/compare/
+## compare: dual vs control vs base on the test split (TOLERANCE=0.02 MIN_SPEEDUP=1 MIN_GAIN=0 TEST_BATCHES=-1 SAMPLES=4 MAX_TOKENS=128); writes runs/$(RUN)/compare/
 # Phony: evaluation is cheap and TOLERANCE may change; it always re-reads the run folders.
 # Train and control are built when their stamp is missing, never re-run by compare (not even
 # when code, config or hostfile changed since: retraining is `make train`'s decision).
 .PHONY: compare
 compare: $(VENV)/.stamp | $(if $(wildcard $(STAMPS)/train.$(RUN)),,$(STAMPS)/train.$(RUN)) $(if $(wildcard $(STAMPS)/control.$(RUN)),,$(STAMPS)/control.$(RUN))
-	$(PY) bin/compare.py --run $(RUN)$(if $(TOLERANCE), --tolerance $(TOLERANCE))$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))$(if $(MIN_GAIN), --min-gain $(MIN_GAIN))$(if $(TEST_BATCHES), --test-batches $(TEST_BATCHES))
+	$(PY) bin/compare.py --run $(RUN)$(if $(TOLERANCE), --tolerance $(TOLERANCE))$(if $(MIN_SPEEDUP), --min-speedup $(MIN_SPEEDUP))$(if $(MIN_GAIN), --min-gain $(MIN_GAIN))$(if $(TEST_BATCHES), --test-batches $(TEST_BATCHES))$(if $(SAMPLES), --samples $(SAMPLES))$(if $(MAX_TOKENS), --max-tokens $(MAX_TOKENS))
 
 ## stop: stop RUN on every host (its supervisor, here or dead, then any rank left); the newest verified checkpoint stays for RESUME=1
 .PHONY: stop
 stop: $(VENV)/.stamp
 	$(PY) bin/run.py --stop $(RUN)
 
-## status: where RUN stands (step, ETA, loss, tok/s and last step per rank, checkpoint, failures, verdict); JSON=1; exit as check-parity
+## status: where RUN stands (step, ETA, loss, tok/s and last step per rank, checkpoint, failures, verdict); WATCH=N redraws; JSON=1; exit as check-parity
 .PHONY: status
 status:
-	$(if $(JSON),@)$(PY) bin/status.py --run $(RUN) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(JSON), --json) || [ $$? -eq 1 ]
+	@$(PY) bin/status.py --run $(RUN) --remote-root $(REMOTE_ROOT) --python $(PYTHON)$(if $(JSON), --json)$(if $(WATCH), --watch $(WATCH)) || [ $$? -eq 1 ]
 
 ## calibrate: sync + check-parity, then per-host tok/s and memory, the all_sum curve and the expected speedup -> runs/calibration-<time>.json
 # Phony: a measurement, not a build product. CALIBRATE_ARGS: more bin/calibrate.py flags,

@@ -310,7 +310,7 @@ def perf_label(label: str) -> str:
     return label if label.isascii() and label.isidentifier() else "'" + label.replace("'", "''") + "'"
 
 
-def print_table(result: dict, args) -> None:
+def table(result: dict, args) -> list[str]:
     """`PARITY <STATUS> - <summary> | <perfdata>` (Nagios plugin guidelines: which gate failed, and where),
     a row per check with its fix, then the status line."""
     rows, summary, gates = result["checks"], [], GATES[args.gate]
@@ -325,15 +325,14 @@ def print_table(result: dict, args) -> None:
     perf = [f"duration={result['duration_s']}s;;;0", f"failed={n['fail']};;;0", f"warned={n['warn']};;;0"]
     perf += [f"{perf_label('rtt_' + h)}={ms}ms;;;0" for h, ms in args.rtts.items()]
     summary = "; ".join(summary or [rows[0]["detail"][:200]]).replace("|", "/")
-    print(f"PARITY {result['status']} - {summary} | " + " ".join(perf))
+    L = [f"PARITY {result['status']} - {summary} | " + " ".join(perf)]
     wn, wh = max([len(c["name"]) for c in rows] + [5]), max([len(c["host"]) for c in rows] + [4])
     for c in rows:
         status = c["status"] if c["status"] == "pass" else c["status"].upper()
-        print(f"  {status:<6}  {c['name']:<{wn}}  {c['host']:<{wh}}  {c['detail']}")
-        if c["fix"]:
-            print(" " * (wn + wh + 14) + f"fix: {c['fix']}")
-    print(f"check-parity status {result['status']} code {result['code']} checks {len(rows)} fail {n['fail']} "
-          f"warn {n['warn']} duration_s {result['duration_s']}", flush=True)
+        L.append(f"  {status:<6}  {c['name']:<{wn}}  {c['host']:<{wh}}  {c['detail']}")
+        L += [" " * (wn + wh + 14) + f"fix: {c['fix']}"] if c["fix"] else []
+    return L + [f"check-parity status {result['status']} code {result['code']} checks {len(rows)} fail "
+                f"{n['fail']} warn {n['warn']} duration_s {result['duration_s']}"]
 
 
 def on_alarm(signum, frame):
@@ -364,7 +363,14 @@ def main() -> int:
                   "duration_s": round(time.monotonic() - t0, 3), "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if last:
             atomic.write_json(last, result)
-    print(json.dumps(result, sort_keys=True), flush=True) if args.json else print_table(result, args)
+    if args.json:
+        print(json.dumps(result, sort_keys=True), flush=True)
+        return code
+    lines = table(result, args)
+    if args.run and code == 0 and last:  # the launch gate, all passed: one line; the table in the state dir
+        atomic.write_text(state / "last.txt", "\n".join(lines) + "\n")
+        lines = [f"{lines[-1]} table {paths.rel(state / 'last.txt')}"]
+    print("\n".join(lines), flush=True)
     return code
 
 

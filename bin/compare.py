@@ -3,16 +3,17 @@
 
 Usage:
     python bin/compare.py --run RUN [--tolerance 0.02] [--min-speedup 1] [--min-gain 0] [--test-batches -1]
+                          [--samples 4] [--max-tokens 128]
 Example (what `make compare RUN=stage1` runs):
     .venv/bin/python bin/compare.py --run stage1
 
 The control is runs/<RUN>-control/ (make control's run). The base model and both adapters are
-scored with mlx-lm's evaluate() on the same test batches. Writes runs/<RUN>/compare/: report.md, report.json,
+scored with mlx-lm's evaluate() on the same test batches (lib/evaluate: also by record source, and
+their greedy answers to a seeded draw of test prompts). Writes runs/<RUN>/compare/: report.md, report.json,
 loss_curves.png. Exit 0 pass, 1 a failure verdict, 2 not comparable or an input missing.
 """
 
 import argparse
-import hashlib
 import json
 import math
 import shlex
@@ -22,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, chat, config, jsonl, launch, paths  # noqa: E402
+from lib import atomic, config, evaluate, launch, paths  # noqa: E402
 from lib.hashing import digest_of, tree_hashes  # noqa: E402
 from lib.log import FAILURES, STABILITY, RunbookError, anchor_of, die, event  # noqa: E402
 
@@ -32,7 +33,7 @@ THUNDER, THUNDER_CATEGORY = "underperforms control: Thunder path", FAILURES["thu
 EXACT_REL = 1e-5  # dual vs control step-1 loss with token-weighted gradients: float summation order only
 LINK_BOUND_SHARE = 0.5  # calibrated: the gradient all-reduce takes at least half of a dual step
 ANCHOR_NOT_COMPARABLE, ANCHOR_MISSING = "compare-not-comparable", "compare-missing-run"
-SPLITS = ("train.jsonl", "valid.jsonl", "test.jsonl")
+SPLITS, MODELS = ("train.jsonl", "valid.jsonl", "test.jsonl"), ("base", "control", "dual")
 # Config keys checked on their own, or that the out-of-memory ladder changes keeping the global batch.
 OWN_KEYS = {"seed", "batch_size", "grad_accumulation_steps", "steps_per_eval"} | config.RESUMABLE
 
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-speedup", type=float, default=DEFAULT_MIN_SPEEDUP, help="0: the ranks share a Mac")
     p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN, help="under the base model's loss")
     p.add_argument("--test-batches", type=int, default=-1, help="-1: the whole test split")
+    p.add_argument("--samples", type=int, default=4, help="test prompts each model answers in the report")
+    p.add_argument("--max-tokens", type=int, default=128, help="the longest sample answer, in tokens")
     return p
 
 
@@ -248,40 +251,6 @@ def exactness(dual: dict, control: dict) -> dict | None:
     return {"ok": ok, "why": why, "step1_rel": rel[1], "max_rel": max(rel.values()), "steps": len(common)}
 
 
-def evaluate_models(model: str, adapters: dict, data_dir: Path, cfg: dict, test_batches: int) -> dict:
-    """Test loss of the base model and each adapter on the same seeded batches (fingerprinted)."""
-    import numpy as np
-    from mlx_lm.tuner.trainer import default_loss, evaluate, iterate_batches
-    from mlx_lm.utils import load
-
-    records = list(jsonl.read(data_dir / "test.jsonl"))  # export refuses an empty split
-    cfg, local = {**config.DEFAULTS, **cfg}, paths.ROOT / model  # a local folder, or a Hugging Face id
-    bs, seed, msl = min(int(cfg["batch_size"]), len(records)), int(cfg["seed"]), int(cfg["max_seq_length"])
-    models, test_set = {}, None
-    for name, adapter in [("base", None), *((k, a) for k, a in adapters.items() if a)]:
-        mdl, tokenizer = load(str(local) if local.exists() else model,
-                              adapter_path=str(paths.ROOT / adapter) if adapter else None)
-        test_set = test_set or chat.dataset(records, tokenizer, cfg)  # the format the adapters trained in
-        h, ntoks = hashlib.sha256(), []
-
-        def loss(m, batch, lengths, h=h, ntoks=ntoks):
-            h.update(np.array(batch).tobytes() + np.array(lengths).tobytes())
-            ntoks.append((ce_n := default_loss(m, batch, lengths))[1])
-            return ce_n
-
-        value = evaluate(model=mdl, dataset=test_set, batch_size=bs, num_batches=test_batches, loss=loss,
-                         max_seq_length=msl, iterate_batches=lambda **kw: iterate_batches(seed=seed, **kw))
-        row = models[name] = {"loss": value, "batches": len(ntoks), "batches_sha256": h.hexdigest(),
-                              "tokens": int(sum(n.item() for n in ntoks))}
-        event("compare-eval", model=name, test_loss=value, batches=row["batches"], tokens=row["tokens"])
-    if len({m["batches_sha256"] for m in models.values()}) != 1:
-        raise RunbookError("the models saw different test batches: a bug in compare; report it",
-                           ANCHOR_NOT_COMPARABLE)
-    return {"records": len(records), "batch_size": bs, "seed": seed, "max_seq_length": msl,
-            "test_batches": test_batches, "models": models, "batches": models["base"]["batches"],
-            "tokens": models["base"]["tokens"], "same_batches": True}
-
-
 def plot_curves(path: Path, dual: dict, control: dict, base: float | None, verdict: str) -> None:
     """Train and validation loss of both runs; the base model's test loss a line."""
     from matplotlib.figure import Figure
@@ -300,8 +269,9 @@ def plot_curves(path: Path, dual: dict, control: dict, base: float | None, verdi
 
 
 def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v: dict, cmd: list) -> dict:
-    """report.json: the verdict, base / control / dual losses, speed, comparability and both runs' facts."""
-    models = (ev or {}).get("models", {})
+    """report.json: the verdict, base / control / dual losses, speed, comparability, losses by source, sample
+    answers and both runs' facts."""
+    models, ev = (ev or {}).get("models", {}), ev or {}
     cta = json.dumps(dual["chat_template_args"] or {})
     serve = ["--model", str(dual["model"]), "--adapter-path", str(dual["adapter"])]
     rows = {name: {**(m := models.get(name, {})), "evaluated": name in models, "adapter": r and r["adapter"],
@@ -319,7 +289,15 @@ def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v
             k: v[k] for k in ("speedup", "scaling_efficiency", "world_size_ratio", "faster", "link_bound")}},
         "comparable": comp,
         "export": {"lines": launch.export_section(dual["dataset"]) if dual["dataset"] else []},
-        "evaluation": ev and {**ev, "models": rows, "split": f"datasets/{dual['dataset']}/test.jsonl"},
+        "evaluation": ev and {**{k: x for k, x in ev.items() if k not in ("by_source", "samples")},
+                              "models": rows, "split": f"datasets/{dual['dataset']}/test.jsonl"} or None,
+        "by_source": (by := [{**r, **{m: finite(r.get(m)) for m in MODELS}}
+                             for r in ev.get("by_source", [])]),
+        "samples": [{**dict.fromkeys(MODELS), **x} for x in ev.get("samples", [])],
+        "warnings": [f"source {r['source']}: the dual adapter's test loss {r['dual']:.4f} is over the base "
+                     f"model's {r['base']:.4f} by more than the tolerance ({r['tokens']} tokens)"
+                     for r in by if None not in (r["dual"], r["base"])
+                     and r["dual"] > r["base"] * (1 + args.tolerance)],
         "runs": {r["role"]: {k: x for k, x in r.items() if k not in ("metrics", "config")}
                  for r in (dual, control)},
         "reproduce_compare": shlex.join(cmd),  # then mlx-lm serving the adapter in the format it trained in
@@ -327,6 +305,11 @@ def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v
                   shlex.join(["mlx_lm", "generate", *serve, "--chat-template-config", cta, "--prompt", "Hi"]),
                   shlex.join(["mlx_lm.server", *serve, "--chat-template-args", cta])],
     }
+
+
+def cell(text) -> str:
+    """A text as one markdown table cell: its lines kept as <br>, its pipes escaped."""
+    return "–" if text is None else "<br>".join(str(text).replace("|", "\\|").splitlines()) or "(empty)"
 
 
 def render_md(rep: dict) -> str:
@@ -342,9 +325,19 @@ def render_md(rep: dict) -> str:
          "## Metrics", "", f"Speedup {fmt(tp['speedup'], '.2f')}x, "
          f"scaling efficiency {fmt(tp['scaling_efficiency'], '.2f')}.", "",
          "| model | test loss | train tok/s | adapter |", "|---|---|---|---|"]
-    for name in ("base", "control", "dual"):
+    for name in MODELS:
         r = runs.get(name, {})
         L.append(f"| {name} | {fmt(lo[name])} | {fmt(r.get('tok_per_s'), '.1f')} | {fmt(r.get('adapter'))} |")
+    L += ["", "## Test loss by source", "", *[f"- warning: {w}" for w in rep["warnings"]],
+          "", "| source | tokens | base | control | dual |", "|---|---|---|---|---|"]
+    L += [f"| {r['source']} | {r['tokens']} | " + " | ".join(fmt(r[m]) for m in MODELS) + " |"
+          for r in rep["by_source"]]
+    most = (rep["evaluation"] or {}).get("sampling", {}).get("max_tokens")
+    L += ["", "## Sample answers", "", f"Greedy, up to {most} tokens, in the chat format the adapters "
+          "trained in." if rep["samples"] else "No sample answers."]
+    for i, x in enumerate(rep["samples"], 1):  # the answers side by side, the reference first
+        L += ["", f"**Sample {i}.** {cell(x['prompt'])}", "", "| reference | base | control | dual |",
+              "|---|---|---|---|", "| " + " | ".join(cell(x.get(k)) for k in ("reference", *MODELS)) + " |"]
     L += ["", "## Runs", "", "| | dual | control |", "|---|---|---|"]
     for key in (k for k in runs["dual"] if k not in ("role", "hostfile", "reproduce")):
         L.append(f"| {key} | {fmt(runs['dual'][key], '')} | {fmt(runs['control'].get(key), '')} |")
@@ -357,17 +350,19 @@ def main() -> int:
     cmd = ["make", "compare", f"RUN={args.run}"] + [f"{k.upper()}={x:g}" for k, x in vars(args).items()
                                                     if k != "run" and x != parser.get_default(k)]
     try:
-        if not (0 <= args.tolerance < 1 and 0 <= args.min_gain < 1 and args.min_speedup >= 0
-                and (args.test_batches == -1 or args.test_batches >= 1)):
+        if not (0 <= args.tolerance < 1 and 0 <= args.min_gain < 1 and args.min_speedup >= 0 and
+                (args.test_batches == -1 or args.test_batches >= 1) and args.samples >= 0 < args.max_tokens):
             raise RunbookError("--tolerance and --min-gain are fractions in [0, 1) (0.02: 2%), --min-speedup "
-                               ">= 0, --test-batches -1 (all) or >= 1", "compare")
+                               ">= 0, --test-batches -1 (all) or >= 1, --samples >= 0, --max-tokens >= 1",
+                               "compare")
         dual = run_facts("dual", args.run)
         control = run_facts("control", f"{args.run}-control")
         data = paths.DATASETS / str(dual["dataset"])  # on disk now, it must be what the runs trained on
         on_disk = digest_of(tree_hashes(data, SPLITS)) if all((data / s).is_file() for s in SPLITS) else None
         comp = comparability(dual, control, on_disk, dual["model"] and launch.model_hash(dual["model"]))
-        ev = evaluate_models(dual["model"], {"control": control["adapter"], "dual": dual["adapter"]}, data,
-                             dual["config"], args.test_batches) if comp["ok"] else None
+        adapters = {"control": control["adapter"], "dual": dual["adapter"]}
+        ev = evaluate.models(dual["model"], adapters, data, dual["config"], args.test_batches, args.samples,
+                             args.max_tokens) if comp["ok"] else None
     except (RunbookError, ValueError) as e:
         return die(e, 2)
     losses = {k: m["loss"] for k, m in (ev or {}).get("models", {}).items()}

@@ -2,13 +2,15 @@
 """status: where a train/control run stands, from Mac1, while it runs and after; never touches it.
 
 Usage:
-    python bin/status.py --run RUN --remote-root DIR --python PY [--json]
+    python bin/status.py --run RUN --remote-root DIR --python PY [--json] [--watch N]
 
 Example (`make status RUN=stage1 JSON=1`, e.g. from cron):
     python bin/status.py --run stage1 --remote-root "$PWD" --python "$PWD/.venv/bin/python" --json
 
-One ssh call to rank 0's host (BatchMode, 5 s; else this Mac's copy) reads metrics, failure files and the
-latest checkpoint; per-rank steps and tok/s come from this Mac's launch log; the supervisor from its lock.
+The first line is a monitoring plugin's, with perfdata (step, loss, tok_per_s, eta_s); --watch N redraws
+every N seconds until the run ends. One ssh call to rank 0's host (BatchMode, 5 s; else this Mac's copy)
+reads metrics, failure files and the latest checkpoint; per-rank steps and tok/s come from this Mac's
+launch log; the supervisor from its lock.
 Exit 0 OK, 1 WARNING (a rank silent 600 s), 2 CRITICAL (failed, or running with no supervisor), 3 UNKNOWN
 (rank 0's host unreachable while running). RUNBOOK.md#status.
 """
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--run", "--remote-root", "--python"):
         p.add_argument(flag, required=True)
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument("--watch", type=float, metavar="N", help="redraw every N seconds until the run ends")
     return p
 
 
@@ -66,8 +69,8 @@ def probe(host: str, root: str, python: str, run_rel: str) -> dict | None:
         return json.loads(r.stdout) if r.ok else None
 
 
-def main() -> int:
-    args = build_parser().parse_args()
+def gather(args) -> tuple[dict, int]:
+    """The run's state (`make status JSON=1`'s object) and its plugin exit code."""
     run_dir, run_rel = paths.RUNS / paths.check_run_id(args.run), f"runs/{args.run}"
     man = paths.read_json(run_dir / "manifest.json")
     stage, iters = man.get("stage") or "train", man.get("iters")
@@ -113,19 +116,50 @@ def main() -> int:
           "latest_checkpoint": src["latest"], "failures": src["failures"], "status": STATUS[code],
           "why": why, "verdict": {k: verdict.get(k) for k in VERDICT_KEYS} if verdict else None,
           "supervisor": sup}
-    if args.json:
-        print(json.dumps(st, sort_keys=True))
-        return code
+    return st, code
+
+
+def num(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def human(st: dict) -> list[str]:
+    """What a person reads: the plugin line (perfdata: step, loss, tok_per_s, eta_s), then a line a fact."""
+    ranks, eta, val, v = st["ranks"], st["eta_s"], st["last_val"], st["verdict"]
+    tok = sum(r["tok_per_s"] or 0 for r in ranks.values()) if st["running"] and ranks else None
     hms = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta is not None else "-"
-    print(f"STATUS {st['status']} - {why} | {stage} step {step}/{iters} eta {hms} loss {st['train_loss']} "
-          f"trend {st['loss_trend']} val {st['last_val']} checkpoint {src['latest']}")
-    for r, v in ranks.items():
-        print(f"rank {r}: step {v['last_step']}, {v['since_s']:.0f} s ago, {v['tok_per_s']} tok/s")
-    for n, f in src["failures"].items():
-        print(f"{n}: {f.get('category')}: {f.get('message')}")
-    if st["verdict"]:
-        print(f"verdict: {'PASS' if st['verdict']['ok'] else 'FAIL'} {json.dumps(st['verdict'])}")
-    return code
+    perf = {"step": st["step"], "loss": st["train_loss"] and round(st["train_loss"], 4),
+            "tok_per_s": tok and round(tok, 1), "eta_s": eta and f"{eta:.0f}s"}
+    L = [f"STATUS {st['status']} - {st['why']} | " + " ".join(f"{k}={'U' if x is None else x}"
+                                                               for k, x in perf.items())]
+    trend = " ".join(num(x) for x in st["loss_trend"])
+    trend = f" (last {len(st['loss_trend'])}: {trend})" if trend else ""
+    L.append(f"{st['stage']}: step {num(st['step'], '')} of {num(st['iters'], '')}, loss "
+             f"{num(st['train_loss'])}{trend}" + (f", {tok:,.0f} tok/s, ETA {hms}" if tok else ""))
+    if val:
+        L.append(f"validation: loss {num(val['loss'])} at step {val['step']}")
+    L.append(f"checkpoint: {st['latest_checkpoint'] or 'none yet'}")
+    L += [f"rank {r}: step {x['last_step']}, {x['since_s']:.0f} s ago, {num(x['tok_per_s'], ',.0f')} tok/s"
+          for r, x in ranks.items()]
+    L += [f"{n} failed: {f.get('category')}: {f.get('message')}" for n, f in st["failures"].items()]
+    if v:
+        fb = f", on {', '.join(v['fallback'].get('hosts') or [])} after FALLBACK" if v.get("fallback") else ""
+        why = f"{v.get('category') or 'no category'}: {v.get('why') or 'no reason recorded'}"
+        L.append(f"verdict: PASS, step {v.get('final_step')}, test loss {num(v.get('test_loss'))}{fb}"
+                 if v["ok"] else f"verdict: FAIL, {why}")
+    return L
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    while True:
+        st, code = gather(args)
+        if args.watch and sys.stdout.isatty():
+            print("\033[H\033[2J", end="")  # redraw in place on a terminal; a pipe gets one block a round
+        print(json.dumps(st, sort_keys=True) if args.json else "\n".join(human(st)), flush=True)
+        if not (args.watch and st["running"]):
+            return code
+        time.sleep(max(args.watch, 1.0))
 
 
 if __name__ == "__main__":

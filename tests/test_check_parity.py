@@ -387,6 +387,18 @@ def test_table_is_the_default_and_ends_with_the_status_line(tree, tmp_path):
     lines = p.stdout.strip().splitlines()
     assert lines[-1].startswith("check-parity status OK code 0 checks ")
     assert any(ln.split()[:3] == ["pass", "runtime.mlx", "127.0.0.1"] for ln in lines)
+    # #28: as the launch gate (--run), a passing check is one line; the table is in the state dir.
+    p = run([PY, "bin/check_parity.py", "--hostfile", "hostfile.local.json", "--python", PYTHON, "--run", "gate-x",
+             "--remote-root", str(tree), "--model=", "--dataset=", "--state-dir", str(tmp_path)], cwd=tree)
+    [line] = p.stdout.splitlines()
+    assert line.startswith("check-parity status OK code 0 checks ") and line.endswith(f" table {tmp_path}/last.txt")
+    table = (tmp_path / "last.txt").read_text().splitlines()
+    assert table[-1] == line.rsplit(" table ", 1)[0] and table[0].startswith("PARITY OK - ") and len(table) > 10
+    # ...and the whole table, on the terminal, when it does not pass.
+    p = run([PY, "bin/check_parity.py", "--hostfile", "hostfile.local.json", "--python", PYTHON, "--run", "gate-x",
+             "--remote-root", str(tmp_path / "nowhere"), "--model=", "--dataset=", "--state-dir", str(tmp_path)],
+            cwd=tree, check=False)
+    assert p.returncode == 2 and p.stdout.startswith("PARITY CRITICAL") and "  FAIL    code" in p.stdout, p.stdout
 
 
 # The Nagios plugin guidelines (nagios-plugins.org/doc/guidelines.html, "Plugin Output" and

@@ -113,6 +113,11 @@ REPORT_SCHEMA = {
         "batches": int, "tokens": int, "same_batches": bool,
         "models": {"base": EVAL_MODEL, "control": EVAL_MODEL, "dual": EVAL_MODEL}}),
     "runs": {"dual": RUN_SCHEMA, "control": RUN_SCHEMA},
+    "by_source": [{"source": str, "tokens": int, "records": int, "base": NUM_OR_NONE, "control": NUM_OR_NONE,
+                   "dual": NUM_OR_NONE}],
+    "samples": [{"prompt": str, "reference": STR_OR_NONE, "base": STR_OR_NONE, "control": STR_OR_NONE,
+                 "dual": STR_OR_NONE}],
+    "warnings": [str],
     "export": {"lines": [str]},
     "reproduce_compare": str,
     "wall_s": NUM,
@@ -370,7 +375,7 @@ def chat_records() -> list[dict]:
         for i, p in enumerate(paras[:2]):
             recs.append({"messages": [{"role": "user", "content": f"What does the reference say about {k} ({i})?"},
                                       {"role": "assistant", "content": p[:240]}],
-                         "record_id": f"{k}-{i}", "weight": 1.0, "source": "pydoc_data.topics"})
+                         "record_id": f"{k}-{i}", "weight": 1.0, "source": f"pydoc_data.topics/{k}"})
     return recs
 
 
@@ -602,6 +607,21 @@ def test_end_to_end_pass_then_thunder_path(world, trained):
     assert rep["export"]["lines"][-1].startswith(export) and world["corpus_sha256"] in md
     png = (ROOT / "runs" / run_id / "compare" / "loss_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    # #28: the test loss by record source (5 largest, the rest "other") and sample answers, side by side.
+    test = [json.loads(x) for x in (ROOT / "datasets" / world["dataset"] / "test.jsonl").read_text().splitlines()]
+    by = rep["by_source"]
+    assert [r["source"] for r in by[:-1]] == [r["source"] for r in sorted(by[:-1], key=lambda r: -r["tokens"])]
+    assert len(by) == 6 and by[-1]["source"] == f"other ({len({r['source'] for r in test}) - 5} sources)", by
+    assert sum(r["records"] for r in by) == len(test) and all(set(r) == {"source", "tokens", "records", *compare.MODELS}
+                                                              for r in by), by
+    assert sum(r["tokens"] for r in by) > ev["tokens"], "batch 1 per source: no record is left out of a batch"
+    assert re.search(rf"^\| {re.escape(by[0]['source'])} \| {by[0]['tokens']} \| {by[0]['base']:.4f} \|", md, re.M)
+    samples = rep["samples"]
+    assert len(samples) == 4 and all(set(x) == {"prompt", "reference", *compare.MODELS} for x in samples), samples
+    prompts = {r["messages"][0]["content"]: r["messages"][1]["content"] for r in test}
+    assert all(prompts[x["prompt"]] == x["reference"] and all(isinstance(x[m], str) for m in compare.MODELS)
+               for x in samples), samples
+    assert "## Sample answers" in md and "| reference | base | control | dual |" in md and "**Sample 4.**" in md
     repro = (ROOT / "runs" / run_id / "reproduce.sh").read_text()
     assert "# --- stage: compare ---" in repro and f"make compare RUN={run_id}" in repro
     assert json.loads((ROOT / "runs" / run_id / "manifest.json").read_text())["stages"]["compare"]["ok"] is True
@@ -614,7 +634,7 @@ def test_end_to_end_pass_then_thunder_path(world, trained):
     rep2 = read_report(run_id)
     assert_valid_report(rep2)
     assert rep2["verdict"] == "underperforms control: Thunder path" and rep2["loss"]["within_tolerance"] is False
-    assert rep2["loss"]["dual"] == lo["dual"]  # deterministic evaluation
+    assert rep2["loss"]["dual"] == lo["dual"] and rep2["samples"] == samples  # deterministic: draw and greedy
     assert not list((ROOT / "runs" / run_id).glob(".compare*")), "no temporary folder left behind"
 
 
@@ -670,7 +690,7 @@ def test_adapter_worse_than_base_is_not_promoted_even_when_the_control_is_as_bad
     shutil.copytree(ROOT / "runs" / run_id / "adapters", ROOT / "runs" / f"{run_id}-control" / "adapters")
     write_run(w, run_id, "dual", iters=8, step_s=0.06, test_loss=None)
     write_run(w, f"{run_id}-control", "control", iters=8, step_s=0.1, test_loss=None)
-    p = run([PY, "bin/compare.py", "--run", run_id], check=False)
+    p = run([PY, "bin/compare.py", "--run", run_id, "--tolerance", "0"], check=False)  # 0: a warning per worse source
     assert p.returncode == 1, p.stdout + p.stderr
     assert "FAILED category: worse than the base model" in p.stderr
     assert "see RUNBOOK.md#compare-worse-than-base" in p.stderr
@@ -684,12 +704,17 @@ def test_adapter_worse_than_base_is_not_promoted_even_when_the_control_is_as_bad
     md = (ROOT / "runs" / run_id / "compare" / "report.md").read_text()
     for name in ("base", "control", "dual"):
         assert re.search(rf"^\| {name} \| {lo[name]:.4f} \|", md, re.M), name
+    # Every source got worse than the base model: a warning each, in the report (not another verdict).
+    assert all(r["dual"] > r["base"] for r in rep["by_source"]), rep["by_source"]
+    assert len(rep["warnings"]) == len(rep["by_source"]) and all(f"- warning: {w}" in md for w in rep["warnings"])
 
 
 def test_make_compare_recipe():
     old = ["-o", ".stamps/train.x", "-o", ".stamps/control.x"]
-    p = make("-n", "compare", "RUN=x", "TOLERANCE=0.05", "MIN_SPEEDUP=0", "MIN_GAIN=0.01", "TEST_BATCHES=3", *old)
-    assert "bin/compare.py --run x --tolerance 0.05 --min-speedup 0 --min-gain 0.01 --test-batches 3" in p.stdout
+    p = make("-n", "compare", "RUN=x", "TOLERANCE=0.05", "MIN_SPEEDUP=0", "MIN_GAIN=0.01", "TEST_BATCHES=3",
+             "SAMPLES=2", "MAX_TOKENS=64", *old)
+    assert ("bin/compare.py --run x --tolerance 0.05 --min-speedup 0 --min-gain 0.01 --test-batches 3 --samples 2 "
+            "--max-tokens 64") in p.stdout
     p = make("-n", "compare", "RUN=x", *old)
     assert re.search(r"bin/compare\.py --run x$", p.stdout, re.M), p.stdout
 

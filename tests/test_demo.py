@@ -22,8 +22,13 @@ def check_report(run: str, root: Path = ROOT) -> dict:
     png = (cdir / "loss_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     md = (cdir / "report.md").read_text()
-    for needle in ("dataset_sha256", "make train", "make control", run):
+    for needle in ("dataset_sha256", "make train", "make control", run, "## Test loss by source",
+                   "## Sample answers", "| reference | base | control | dual |"):
         assert needle in md, needle
+    # Sample answers of the three models beside the reference, and the test loss by record source (#28).
+    samples, by = report["samples"], report["by_source"]
+    assert len(samples) == 4 and all(isinstance(x[k], str) for x in samples for k in ("base", "control", "dual"))
+    assert by and all(isinstance(r[k], float) for r in by for k in ("base", "control", "dual")), by
     return report
 
 

@@ -58,8 +58,12 @@ def test_trainer_pattern_matches_only_this_run():
 def test_launch_argv_lists_not_strings():
     hf = parse({"backend": "ring", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]})
     argv = launch.launch_argv("h.json", hf, "/r/.venv/bin/python", "/r", ["--run-dir", "runs/x"], 40000)
-    assert argv[0].endswith("mlx.launch") and argv[argv.index("--python") + 1] == "/r/.venv/bin/python"
+    assert argv[:3] == ["nice", "-n", "19"] and argv[3].endswith("mlx.launch")  # its polling yields to the ranks
+    assert argv[argv.index("--python") + 1] == "/r/.venv/bin/python"
     assert argv[argv.index("--") + 1] == "bin/train.py" and "--starting-port" in argv
+    local = parse({"hosts": [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]})
+    argv = launch.launch_argv("h.json", local, "/r/py", "/r", ["--run-dir", "runs/x"])
+    assert argv[0].endswith("mlx.launch"), argv  # its local ranks are its children: never niced
     one = parse({"hosts": [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]})
     argv = launch.launch_argv("h.json", one, "/r/py", "/r", ["--run-dir", "runs/x"])
     assert argv[:2] == ["sh", "-c"] and "mlx.launch" not in " ".join(argv)

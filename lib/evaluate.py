@@ -1,0 +1,111 @@
+"""evaluate: compare's scoring of the base model and each adapter on one test split, in the format the
+adapters trained in (lib/chat): the test loss on the same seeded batches (mlx-lm's evaluate), the loss
+per record `source`, and greedy answers to a seeded draw of the split's prompts.
+    ev = models("models/tiny-gemma4", {"control": "runs/x-control/adapters", "dual": ...}, data_dir, cfg)
+    ev["models"]["dual"]["loss"], ev["by_source"][0], ev["samples"][0]["dual"]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import defaultdict
+from pathlib import Path
+
+from lib import chat, config, jsonl, paths
+from lib.log import RunbookError, event
+
+SAMPLE_SEED, TOP_SOURCES = 0, 5  # the draw is the same for every run of a dataset; the rest is "other"
+
+
+def models(model: str, adapters: dict, data_dir: Path, cfg: dict, test_batches: int, samples: int = 4,
+           max_tokens: int = 128) -> dict:
+    """Test loss, loss by source and sample answers of the base model and each adapter (fingerprinted:
+    every model must see the same test batches)."""
+    from mlx_lm.utils import load
+
+    records = list(jsonl.read(data_dir / "test.jsonl"))  # export refuses an empty split
+    cfg, local = {**config.DEFAULTS, **cfg}, paths.ROOT / model  # a local folder, or a Hugging Face id
+    bs, seed, msl = min(int(cfg["batch_size"]), len(records)), int(cfg["seed"]), int(cfg["max_seq_length"])
+    drawn = sorted(random.Random(SAMPLE_SEED).sample(range(len(records)), min(samples, len(records))))
+    drawn = [i for i in drawn if reference(records[i])[0] is not None]  # a text record has no prompt
+    out = {}
+    answers = [dict(zip(("prompt", "reference"), reference(records[i])[1:], strict=True)) for i in drawn]
+    groups = defaultdict(list)
+    for i, r in enumerate(records):
+        groups[str(r.get("source") or "unknown")].append(i)
+    sources = {src: {"records": len(idx)} for src, idx in groups.items()}
+    for name, adapter in [("base", None), *((k, a) for k, a in adapters.items() if a)]:
+        mdl, tokenizer = load(str(local) if local.exists() else model,
+                              adapter_path=str(paths.ROOT / adapter) if adapter else None)
+        test_set = chat.dataset(records, tokenizer, cfg)  # the format the adapters trained in
+        out[name] = loss(mdl, test_set, bs, test_batches, msl, seed)
+        event("compare-eval", model=name, test_loss=out[name]["loss"], batches=out[name]["batches"],
+              tokens=out[name]["tokens"])
+        for src, idx in groups.items():  # batch 1: every record counts, none is left out of a batch
+            sources[src][name] = loss(mdl, [test_set[i] for i in idx], 1, -1, msl, seed)
+        for i, a in zip(drawn, answers, strict=True):
+            a[name] = answer(mdl, tokenizer, records[i], cfg, max_tokens)
+    if len({m["batches_sha256"] for m in out.values()}) != 1:
+        raise RunbookError("the models saw different test batches: a bug in compare; report it",
+                           "compare-not-comparable")
+    return {"records": len(records), "batch_size": bs, "seed": seed, "max_seq_length": msl,
+            "test_batches": test_batches, "models": out, "batches": out["base"]["batches"],
+            "tokens": out["base"]["tokens"], "same_batches": True, "by_source": by_source(sources),
+            "samples": answers,
+            "sampling": {"seed": SAMPLE_SEED, "max_tokens": max_tokens, "decoding": "greedy"}}
+
+
+def loss(mdl, dataset, batch_size: int, batches: int, msl: int, seed: int) -> dict:
+    """mlx-lm's evaluate() on seeded batches: the token-weighted loss, its batches, tokens and their hash."""
+    import numpy as np
+    from mlx_lm.tuner.trainer import default_loss, evaluate, iterate_batches
+
+    h, ntoks = hashlib.sha256(), []
+
+    def counted(m, batch, lengths):
+        h.update(np.array(batch).tobytes() + np.array(lengths).tobytes())
+        ntoks.append((ce_n := default_loss(m, batch, lengths))[1])
+        return ce_n
+
+    value = evaluate(model=mdl, dataset=dataset, batch_size=batch_size, num_batches=batches, loss=counted,
+                     max_seq_length=msl, iterate_batches=lambda **kw: iterate_batches(seed=seed, **kw))
+    return {"loss": value, "batches": len(ntoks), "batches_sha256": h.hexdigest(),
+            "tokens": int(sum(n.item() for n in ntoks))}
+
+
+def by_source(sources: dict) -> list[dict]:
+    """The TOP_SOURCES largest sources by tokens, then the rest as one "other" row."""
+    order = sorted(sources, key=lambda src: (-sources[src]["base"]["tokens"], src))
+    groups = [(src, [sources[src]]) for src in order[:TOP_SOURCES]]
+    if rest := order[TOP_SOURCES:]:
+        groups.append((f"other ({len(rest)} sources)", [sources[src] for src in rest]))
+    return [row(name, parts) for name, parts in groups]
+
+
+def row(name: str, parts: list[dict]) -> dict:
+    """One by-source row: its records and tokens, and each model's token-weighted mean loss over them."""
+    tokens, models = sum(p["base"]["tokens"] for p in parts), [m for m in parts[0] if m != "records"]
+    return {"source": name, "tokens": tokens, "records": sum(p["records"] for p in parts),
+            **{m: sum(p[m]["loss"] * p[m]["tokens"] for p in parts) / max(tokens, 1) for m in models}}
+
+
+def reference(record: dict) -> tuple[list | None, str | None, str | None]:
+    """The record's prompt messages (those before its last answer), the last of them, and that answer."""
+    msgs = record.get("messages")
+    if "prompt" in record:
+        msgs = [{"role": "user", "content": record["prompt"]},
+                {"role": "assistant", "content": record.get("completion", record.get("response"))}]
+    if not (isinstance(msgs, list) and len(msgs) > 1 and msgs[-1].get("role") == "assistant"):
+        return None, None, record.get("text")
+    return msgs[:-1], msgs[-2].get("content"), msgs[-1].get("content")
+
+
+def answer(mdl, tokenizer, record: dict, cfg: dict, max_tokens: int) -> str:
+    """The model's greedy answer to the record's prompt, rendered in the run's chat format."""
+    from mlx_lm.generate import generate
+
+    prompt = reference(record)[0]
+    tokens = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False,
+                                           tools=record.get("tools"), **(cfg["chat_template_args"] or {}))
+    return generate(mdl, tokenizer, tokens, max_tokens=max_tokens)
