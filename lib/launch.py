@@ -33,6 +33,7 @@ from lib.log import CATEGORIES, HANG, OOM_RE, OTHER_FAILURES, PARITY, anchor_of,
 from lib.remote import rsh, run_on, ssh_argv
 
 STEP_RE = re.compile(r"(?:^|\s)iter (\d+)\b")
+STDIN_FILL = 1 << 18  # bytes: over a pipe's buffer (64 KiB on Linux and macOS)
 PROGRESS_RE = re.compile(r"(?:^|\s)(?:progress|rank-joined) rank \d+ ")
 DONE_RE = re.compile(r"(?:^|\s)done step \d+")
 RANK_STEP_RE = re.compile(r"(?:^|\s)iter \d+ rank \d+ ")  # every step, every rank: logs only
@@ -187,6 +188,12 @@ class Watch:
                     f"peak_mem_gb {r[4]}")
 
 
+def feed(pipe, data: bytes) -> None:
+    with contextlib.suppress(OSError, ValueError):  # a launch that ended (or closed the pipe) first
+        pipe.write(data)
+        pipe.flush()
+
+
 def sweep(hosts: list[str], run: str) -> dict[str, str]:
     """Kill any rank of RUN left on any host (SIGCONT first so a frozen one can die)."""
     argv = ["sh", "-c", 'pkill -CONT -f -- "$1"; pkill -KILL -f -- "$1" && echo killed || true', "sh",
@@ -297,8 +304,12 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
     (log_path := paths.ROOT / run_rel / "logs" / log_name).parent.mkdir(parents=True, exist_ok=True)
     offset = log_path.stat().st_size if log_path.is_file() else 0
     watch, t0 = Watch(res := LaunchResult(returncode=-1, wall_s=0), total), time.monotonic()
-    proc = subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    # mlx.launch polls its stdin and each rank's stdin pipe: given /dev/null (always readable) and pipes with
+    # room to write, it spins a core of this Mac. A stdin that stays open and enough bytes to fill a local
+    # rank's pipe (no rank reads them) let its select() wait: 2 local ranks on 2 cores ran twice as fast.
+    proc = subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
+    threading.Thread(target=feed, args=(proc.stdin, b"\n" * STDIN_FILL), daemon=True).start()
     guard = subprocess.Popen([sys.executable, "-c", supervisor.GUARD, str(proc.pid)], stdin=subprocess.PIPE,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     supervisor.write(args, launch_id=launch_id)
@@ -315,6 +326,8 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
             break
     guard.communicate(b"" if res.stopped or res.watchdog_fired else b"done")  # b"": the guard stops it
     proc.wait()
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
     reader.join(timeout=10)
     res.returncode, res.last_progress_s, res.wall_s = proc.returncode, watch.last - t0, time.monotonic() - t0
     swept, fetched = sweep(hf.unique_ssh(), args.record["run"]), {}
