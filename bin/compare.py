@@ -308,8 +308,9 @@ def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v
 
 
 def cell(text) -> str:
-    """A text as one markdown table cell: its lines kept as <br>, its pipes escaped."""
-    return "–" if text is None else "<br>".join(str(text).replace("|", "\\|").splitlines()) or "(empty)"
+    """A text as one markdown table cell: its lines kept as <br>, its pipes and tags (<bos>) escaped."""
+    text = "–" if text is None else str(text).replace("|", "\\|").replace("<", "&lt;")
+    return "<br>".join(text.splitlines()) or "(empty)"
 
 
 def render_md(rep: dict) -> str:
@@ -328,8 +329,9 @@ def render_md(rep: dict) -> str:
     for name in MODELS:
         r = runs.get(name, {})
         L.append(f"| {name} | {fmt(lo[name])} | {fmt(r.get('tok_per_s'), '.1f')} | {fmt(r.get('adapter'))} |")
-    L += ["", "## Test loss by source", "", *[f"- warning: {w}" for w in rep["warnings"]],
-          "", "| source | tokens | base | control | dual |", "|---|---|---|---|---|"]
+    warn = [f"- warning: {w}" for w in rep["warnings"]]
+    L += ["", "## Test loss by source", "", *warn, *[""][:len(warn)], "| source | tokens | base | control | dual |",
+          "|---|---|---|---|---|"]
     L += [f"| {r['source']} | {r['tokens']} | " + " | ".join(fmt(r[m]) for m in MODELS) + " |"
           for r in rep["by_source"]]
     most = (rep["evaluation"] or {}).get("sampling", {}).get("max_tokens")

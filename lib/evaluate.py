@@ -39,11 +39,13 @@ def models(model: str, adapters: dict, data_dir: Path, cfg: dict, test_batches: 
         mdl, tokenizer = load(str(local) if local.exists() else model,
                               adapter_path=str(paths.ROOT / adapter) if adapter else None)
         test_set = chat.dataset(records, tokenizer, cfg)  # the format the adapters trained in
-        out[name] = loss(mdl, test_set, bs, test_batches, msl, seed)
+        out[name], seen = loss(mdl, test_set, bs, test_batches, msl, seed)
         event("compare-eval", model=name, test_loss=out[name]["loss"], batches=out[name]["batches"],
               tokens=out[name]["tokens"])
-        for src, idx in groups.items():  # batch 1: every record counts, none is left out of a batch
-            sources[src][name] = loss(mdl, [test_set[i] for i in idx], 1, -1, msl, seed)
+        each = per_record(mdl, test_set, msl, seen)
+        for src, idx in groups.items():
+            tokens = sum(each[i][1] for i in idx)
+            sources[src][name] = {"loss": sum(each[i][0] for i in idx) / max(tokens, 1), "tokens": tokens}
         for i, a in zip(drawn, answers, strict=True):
             a[name] = answer(mdl, tokenizer, records[i], cfg, max_tokens)
     if len({m["batches_sha256"] for m in out.values()}) != 1:
@@ -56,22 +58,54 @@ def models(model: str, adapters: dict, data_dir: Path, cfg: dict, test_batches: 
             "sampling": {"seed": SAMPLE_SEED, "max_tokens": max_tokens, "decoding": "greedy"}}
 
 
-def loss(mdl, dataset, batch_size: int, batches: int, msl: int, seed: int) -> dict:
-    """mlx-lm's evaluate() on seeded batches: the token-weighted loss, its batches, tokens and their hash."""
+def loss(mdl, dataset, batch_size: int, batches: int, msl: int, seed: int) -> tuple[dict, dict]:
+    """mlx-lm's evaluate() on seeded batches: the token-weighted loss, its batches, tokens and their hash;
+    and each row's (cross-entropy sum, tokens), keyed by the row's tokens."""
     import numpy as np
-    from mlx_lm.tuner.trainer import default_loss, evaluate, iterate_batches
+    from mlx_lm.tuner.trainer import evaluate, iterate_batches
 
-    h, ntoks = hashlib.sha256(), []
+    h, ntoks, seen = hashlib.sha256(), [], {}
 
-    def counted(m, batch, lengths):
+    def counted(m, batch, lengths):  # mlx-lm's default_loss, row by row
         h.update(np.array(batch).tobytes() + np.array(lengths).tobytes())
-        ntoks.append((ce_n := default_loss(m, batch, lengths))[1])
-        return ce_n
+        ce, n = row_losses(m, batch, lengths)
+        rows = zip(np.array(batch), np.array(lengths)[:, 1], ce.tolist(), n.tolist(), strict=True)
+        seen.update({tuple(row[:end].tolist()): (c, int(k)) for row, end, c, k in rows})
+        ntoks.append(n.sum())
+        return ce.sum() / ntoks[-1], ntoks[-1]
 
     value = evaluate(model=mdl, dataset=dataset, batch_size=batch_size, num_batches=batches, loss=counted,
                      max_seq_length=msl, iterate_batches=lambda **kw: iterate_batches(seed=seed, **kw))
     return {"loss": value, "batches": len(ntoks), "batches_sha256": h.hexdigest(),
-            "tokens": int(sum(n.item() for n in ntoks))}
+            "tokens": int(sum(n.item() for n in ntoks))}, seen
+
+
+def row_losses(mdl, batch, lengths):
+    """Each row's cross-entropy sum and token count, masked as mlx-lm's default_loss masks its batch."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    steps = mx.arange(1, batch.shape[1])
+    mask = mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:])
+    ce = (nn.losses.cross_entropy(mdl(batch[:, :-1]), batch[:, 1:]) * mask).astype(mx.float32).sum(axis=1)
+    return ce, mask.sum(axis=1)
+
+
+def per_record(mdl, test_set, msl: int, seen: dict) -> list[tuple[float, int]]:
+    """(cross-entropy sum, tokens) of every record: from the evaluation's rows, or alone for a record its
+    batches left out (mlx-lm drops a split's last partial batch, and test_batches may stop sooner)."""
+    import mlx.core as mx
+
+    out = []
+    for tokens, first in (test_set[i] for i in range(len(test_set))):
+        key = tuple(tokens[:msl])
+        if key not in seen:  # padded as mlx-lm pads (its mask counts one target past the record's end)
+            width = min(1 + 32 * -(-len(key) // 32), msl)
+            row = list(key) + [0] * (width - len(key))
+            ce, n = row_losses(mdl, mx.array([row]), mx.array([[first, len(key)]]))
+            seen[key] = (ce.item(), int(n.item()))
+        out.append(seen[key])
+    return out
 
 
 def by_source(sources: dict) -> list[dict]:
