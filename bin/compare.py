@@ -330,8 +330,8 @@ def render_md(rep: dict) -> str:
         r = runs.get(name, {})
         L.append(f"| {name} | {fmt(lo[name])} | {fmt(r.get('tok_per_s'), '.1f')} | {fmt(r.get('adapter'))} |")
     warn = [f"- warning: {w}" for w in rep["warnings"]]
-    L += ["", "## Test loss by source", "", *warn, *[""][:len(warn)], "| source | tokens | base | control | dual |",
-          "|---|---|---|---|---|"]
+    L += ["", "## Test loss by source", "", *warn, *[""][:len(warn)],
+          "| source | tokens | base | control | dual |", "|---|---|---|---|---|"]
     L += [f"| {r['source']} | {r['tokens']} | " + " | ".join(fmt(r[m]) for m in MODELS) + " |"
           for r in rep["by_source"]]
     most = (rep["evaluation"] or {}).get("sampling", {}).get("max_tokens")
