@@ -39,6 +39,7 @@ REVISION    ?=
 QUANTIZE    ?=
 HOSTS       ?= 2
 JSON        ?=
+WATCH       ?=
 DEEP        ?=
 DRY_RUN     ?=
 SYNC_MODEL  ?=
@@ -57,6 +58,8 @@ TOLERANCE   ?=
 MIN_SPEEDUP ?=
 MIN_GAIN    ?=
 TEST_BATCHES ?=
+SAMPLES     ?=
+MAX_TOKENS  ?=
 # The interpreter that builds .venv: the first Python >= 3.11 found, unless given.
 BOOTSTRAP_PYTHON ?=
 

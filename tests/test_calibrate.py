@@ -90,6 +90,11 @@ def test_speedup_model_arithmetic():
     assert "not divisible by 3 ranks" in cal.speedup_model(cfg, 3, hosts, link)["unknown"]
     one = cal.speedup_model(cfg, 1, hosts[:1], None)
     assert one["expected_speedup"] == 1.0 and one["link_share"] == 0.0
+    # An all-reduce timed alone in a load spike (2.5 s) over the concurrent step that holds it (2.1 s): at
+    # most that step (it failed CI twice as link_share 1.01 and 1.26).
+    link["grad_allreduce"]["cost_s"] = 2.5
+    out = cal.speedup_model(cfg, 2, hosts, link)
+    assert out["t_grad_allreduce_s"] == 2.1 and out["link_share"] == 1.0, out
 
 
 # ---- the compute sweep on the real model and the trainer's step ---------------------------------

@@ -407,7 +407,7 @@ def long_test_run(model, tmp_path_factory):
     """bin/run.py (the orchestrator, its real watchdog) on hostfile.local.json with a whole-split
     test evaluation that lasts several watchdog windows: a dataset in datasets/, a config."""
     name = f"wd-test-{os.getpid()}"
-    write_dataset(ROOT / "datasets" / name, n_test=300)
+    write_dataset(ROOT / "datasets" / name, n_test=600)  # 300 took 6.8 s once mlx.launch stopped spinning
     cfg = tmp_path_factory.mktemp("wd") / "wd.yaml"
     cfg.write_text(CONFIG.replace("iters: 12", "iters: 4").replace("test_batches: 2", "test_batches: -1")
                    .replace("val_batches: 2", "val_batches: 1"))
