@@ -53,7 +53,8 @@ def main() -> int:
     res2, ev2, argv2 = None, {"joined": {}}, None
     if cat is None:
         targs = launch.trainer_args(args, run_rel, args.config, iters=iters, resume=True)
-        res2, ev2, argv2, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, "launch-2.log", iters)
+        res2, ev2, argv2, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, "launch-2.log",
+                                                               iters)
     launch.write_reproduce(run_dir, "smoke", launch.make_cmd("smoke", v), [a for a in (argv, argv2) if a])
     # the plan's success criteria, each (ok, detail), from what the ranks and the run folder say
     joined, n, local = {**ev["joined"], **ev2["joined"]}, hf.size, man["dataset_sha256"]
