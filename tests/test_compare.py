@@ -555,7 +555,7 @@ def test_dual_failed_with_nan_reports_its_category(world, trained):
     atomic.write_json(ROOT / "runs" / f"{run_id}-control" / "control.json",
                       {**json.loads((ROOT / "runs" / f"{run_id}-control" / "control.json").read_text()),
                        "adapter": f"runs/{run_id}-control/adapters"})
-    p = run([PY, "bin/compare.py", "--run", run_id], check=False)
+    p = run([PY, "bin/compare.py", "--run", run_id, "--samples", "0"], check=False)
     assert p.returncode == 1, p.stdout + p.stderr
     assert f"FAILED category: {STABILITY}" in p.stderr and "nan at step 3" in p.stderr
     assert "see RUNBOOK.md#learning-rate-or-lora-stability" in p.stderr
@@ -568,7 +568,7 @@ def test_dual_failed_with_nan_reports_its_category(world, trained):
 def test_end_to_end_pass_then_thunder_path(world, trained):
     run_id = trained["run"]
     # Through the operator's entry point (-o: these run folders have no train/control stamps here).
-    p = make("compare", f"RUN={run_id}", "-o", f".stamps/train.{run_id}", "-o", f".stamps/control.{run_id}",
+    p = make("compare", f"RUN={run_id}", "MAX_TOKENS=8", "-o", f".stamps/train.{run_id}", "-o", f".stamps/control.{run_id}",
              check=False)
     assert p.returncode == 0, p.stdout + p.stderr
     assert re.search(r"^compare run \S+ control \S+ verdict \"pass\"", p.stdout, re.M), p.stdout
@@ -628,7 +628,7 @@ def test_end_to_end_pass_then_thunder_path(world, trained):
 
     # The same runs with no loss tolerance: the dual adapter (8 steps) is behind the control (12).
     assert trained["dual_loss"] > trained["control_loss"]
-    p = run([PY, "bin/compare.py", "--run", run_id, "--tolerance", "0"], check=False)
+    p = run([PY, "bin/compare.py", "--run", run_id, "--tolerance", "0", "--max-tokens", "8"], check=False)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "FAILED category: the Thunder path itself" in p.stderr and "see RUNBOOK.md#thunder-path" in p.stderr
     rep2 = read_report(run_id)
@@ -690,7 +690,7 @@ def test_adapter_worse_than_base_is_not_promoted_even_when_the_control_is_as_bad
     shutil.copytree(ROOT / "runs" / run_id / "adapters", ROOT / "runs" / f"{run_id}-control" / "adapters")
     write_run(w, run_id, "dual", iters=8, step_s=0.06, test_loss=None)
     write_run(w, f"{run_id}-control", "control", iters=8, step_s=0.1, test_loss=None)
-    p = run([PY, "bin/compare.py", "--run", run_id, "--tolerance", "0"], check=False)  # 0: a warning per worse source
+    p = run([PY, "bin/compare.py", "--run", run_id, "--tolerance", "0", "--samples", "0"], check=False)  # 0: a warning a source
     assert p.returncode == 1, p.stdout + p.stderr
     assert "FAILED category: worse than the base model" in p.stderr
     assert "see RUNBOOK.md#compare-worse-than-base" in p.stderr

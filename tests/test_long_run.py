@@ -170,7 +170,7 @@ def test_control_and_compare_on_the_fabric(fabric, control):
     every step's loss stays within it. It passes MIN_SPEEDUP, the threshold the throttled run
     below fails."""
     run = "fab-long-ref"
-    p = fmake(fabric, "compare", *fab_vars(fabric, run), f"MIN_SPEEDUP={MIN_SPEEDUP}", "TEST_BATCHES=4", check=False)
+    p = fmake(fabric, "compare", *fab_vars(fabric, run), f"MIN_SPEEDUP={MIN_SPEEDUP}", "TEST_BATCHES=4", "SAMPLES=1", "MAX_TOKENS=8", check=False)
     rep = json.loads((ROOT / f"runs/{run}/compare/report.json").read_text())
     assert p.returncode == 0 and rep["verdict"] == "pass", (p.stdout[-2000:], p.stderr[-2000:], rep["reasons"])
     exact = rep["loss"]["exact"]
@@ -206,7 +206,7 @@ def test_a_throttled_link_is_predicted_and_called_link_bound(fabric_faults, long
         assert p.returncode == 0 and summary["ok"], (p.stderr[-3000:], summary)
         shutil.copytree(ROOT / "runs" / control, ROOT / "runs" / f"{run}-control", dirs_exist_ok=True)
         shutil.copy(ROOT / ".stamps" / "control.fab-long-ref", ROOT / ".stamps" / f"control.{run}")
-        p = fmake(fabric, "compare", *fab_vars(fabric, run), f"MIN_SPEEDUP={MIN_SPEEDUP}", "TEST_BATCHES=4",
+        p = fmake(fabric, "compare", *fab_vars(fabric, run), f"MIN_SPEEDUP={MIN_SPEEDUP}", "TEST_BATCHES=4", "SAMPLES=1", "MAX_TOKENS=8",
                   check=False)
         rep = json.loads((ROOT / f"runs/{run}/compare/report.json").read_text())
         print(f"throttled run and compare ({time.monotonic() - t0:.0f} s):", rep["throughput"], rep["reasons"])
