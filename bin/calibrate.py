@@ -270,8 +270,9 @@ def speedup_model(cfg: dict, world: int, hosts: list[dict], link: dict | None) -
         if t is None:
             return {"unknown": f"{h['ssh']}: no compute measurement"}
         per_host[h["ssh"]] = (t if c and c["batch"] == m else t + t_g, how)
-    t_g = min(t_g, max(v[0] for v in per_host.values()))  # noise aside, a step holds its whole all-reduce
-    t_ctrl, t_dual = accum * tc, accum * max(v[0] for v in per_host.values()) - (accum - 1) * t_g
+    slowest = max(v[0] for v in per_host.values())
+    t_g = min(t_g, slowest)  # noise aside, a step holds its whole all-reduce
+    t_ctrl, t_dual = accum * tc, accum * slowest - (accum - 1) * t_g
     return {"per_rank_batch": m, "control_batch": cfg["batch_size"], "grad_accumulation_steps": accum,
             "t_control_step_s": t_ctrl, "control_how": how_c,
             "t_dual_step_s": t_dual, "t_grad_allreduce_s": t_g,

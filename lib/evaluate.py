@@ -28,9 +28,9 @@ def models(model: str, adapters: dict, data_dir: Path, cfg: dict, test_batches: 
     cfg, local = {**config.DEFAULTS, **cfg}, paths.ROOT / model  # a local folder, or a Hugging Face id
     bs, seed, msl = min(int(cfg["batch_size"]), len(records)), int(cfg["seed"]), int(cfg["max_seq_length"])
     drawn = sorted(random.Random(SAMPLE_SEED).sample(range(len(records)), min(samples, len(records))))
-    drawn = [i for i in drawn if reference(records[i])[0] is not None]  # a text record has no prompt
-    out = {}
-    answers = [dict(zip(("prompt", "reference"), reference(records[i])[1:], strict=True)) for i in drawn]
+    refs = {i: ref for i in drawn if (ref := reference(records[i]))[0] is not None}  # a text record has none
+    out, test_set = {}, None
+    answers = [{"prompt": ref[1], "reference": ref[2]} for ref in refs.values()]
     groups = defaultdict(list)
     for i, r in enumerate(records):
         groups[str(r.get("source") or "unknown")].append(i)
@@ -38,7 +38,8 @@ def models(model: str, adapters: dict, data_dir: Path, cfg: dict, test_batches: 
     for name, adapter in [("base", None), *((k, a) for k, a in adapters.items() if a)]:
         mdl, tokenizer = load(str(local) if local.exists() else model,
                               adapter_path=str(paths.ROOT / adapter) if adapter else None)
-        test_set = chat.dataset(records, tokenizer, cfg)  # the format the adapters trained in
+        if test_set is None:  # rendered once: an adapter leaves the tokenizer as it is
+            test_set = chat.dataset(records, tokenizer, cfg)  # the format the adapters trained in
         out[name], seen = loss(mdl, test_set, bs, test_batches, msl, seed)
         event("compare-eval", model=name, test_loss=out[name]["loss"], batches=out[name]["batches"],
               tokens=out[name]["tokens"])
@@ -46,8 +47,8 @@ def models(model: str, adapters: dict, data_dir: Path, cfg: dict, test_batches: 
         for src, idx in groups.items():
             tokens = sum(each[i][1] for i in idx)
             sources[src][name] = {"loss": sum(each[i][0] for i in idx) / max(tokens, 1), "tokens": tokens}
-        for i, a in zip(drawn, answers, strict=True):
-            a[name] = answer(mdl, tokenizer, records[i], cfg, max_tokens)
+        for (i, ref), a in zip(refs.items(), answers, strict=True):
+            a[name] = answer(mdl, tokenizer, ref[0], records[i].get("tools"), cfg, max_tokens)
     if len({m["batches_sha256"] for m in out.values()}) != 1:
         raise RunbookError("the models saw different test batches: a bug in compare; report it",
                            "compare-not-comparable")
@@ -135,11 +136,10 @@ def reference(record: dict) -> tuple[list | None, str | None, str | None]:
     return msgs[:-1], msgs[-2].get("content"), msgs[-1].get("content")
 
 
-def answer(mdl, tokenizer, record: dict, cfg: dict, max_tokens: int) -> str:
-    """The model's greedy answer to the record's prompt, rendered in the run's chat format."""
+def answer(mdl, tokenizer, prompt: list, tools, cfg: dict, max_tokens: int) -> str:
+    """The model's greedy answer to a record's prompt messages, rendered in the run's chat format."""
     from mlx_lm.generate import generate
 
-    prompt = reference(record)[0]
     tokens = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False,
-                                           tools=record.get("tools"), **(cfg["chat_template_args"] or {}))
+                                           tools=tools, **(cfg["chat_template_args"] or {}))
     return generate(mdl, tokenizer, tokens, max_tokens=max_tokens)

@@ -21,9 +21,11 @@ PY = sys.executable
 def launch_stdin():
     """A stdin for mlx.launch as lib/launch.py gives it: open, and enough bytes to fill each local rank's
     pipe, so that its select() waits instead of spinning a core (of this machine's two)."""
+    from lib import launch
+
     r, w = os.pipe()
 
-    def fill(data=b"\n" * (1 << 18)):
+    def fill(data=b"\n" * launch.STDIN_FILL):
         with contextlib.suppress(OSError):  # the launch ended before it read them all
             while data:
                 data = data[os.write(w, data):]
