@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, config, evaluate, launch, paths  # noqa: E402
+from lib import atomic, config, evaluate, launch, paths, tracking  # noqa: E402
 from lib.hashing import digest_of, tree_hashes  # noqa: E402
 from lib.log import FAILURES, STABILITY, RunbookError, anchor_of, die, event  # noqa: E402
 
@@ -108,6 +108,7 @@ def run_facts(role: str, run_id: str) -> dict:
         "adapter": paths.rel(adapter) if (adapter / "adapters.safetensors").is_file() else None,
         "stage_wall_s": finite(summary.get("wall_s")), "metrics": mets, "tok_per_s": finite(throughput(mets)),
         "checkpoints_written": sum(m.get("kind") == "checkpoint" for m in mets),
+        "tracking": summary.get("tracking"),  # W&B's mode, run id, url, folder; None: not tracked
         "reproduce": {b.split(" ", 1)[0]: "# --- stage: " + b.strip() for b in sections},
     }
 
@@ -342,7 +343,9 @@ def render_md(rep: dict) -> str:
               "|---|---|---|---|", "| " + " | ".join(cell(x.get(k)) for k in ("reference", *MODELS)) + " |"]
     L += ["", "## Runs", "", "| | dual | control |", "|---|---|---|"]
     for key in (k for k in runs["dual"] if k not in ("role", "hostfile", "reproduce")):
-        L.append(f"| {key} | {fmt(runs['dual'][key], '')} | {fmt(runs['control'].get(key), '')} |")
+        a, b = (runs[r].get(key) for r in ("dual", "control"))
+        a, b = map(tracking.describe, (a, b)) if key == "tracking" else (a, b)
+        L.append(f"| {key} | {fmt(a, '')} | {fmt(b, '')} |")
     return "\n".join(L + ["", "![train and validation loss of both runs](loss_curves.png)", ""])
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import paths, supervisor  # noqa: E402
+from lib import paths, supervisor, tracking  # noqa: E402
 from lib.remote import run_on  # noqa: E402
 
 STATUS = ("OK", "WARNING", "CRITICAL", "UNKNOWN")
@@ -47,7 +47,9 @@ def tail(p):
 d = pathlib.Path(sys.argv[1])
 lid = load(tail(d / "logs" / "rank-0.joined.json")).get("launch_id")
 fails = {p.name.split(".")[0]: load(tail(p)) for p in sorted((d / "logs").glob("rank-*.failure.json"))}
-print(json.dumps({"metrics": [m for m in map(load, tail(d / "metrics.jsonl").splitlines()) if m],
+mets = (d / "metrics.jsonl").read_bytes().decode(errors="replace") if (d / "metrics.jsonl").is_file() else ""
+track = [load(x) for x in mets.splitlines() if '"kind": "tracking"' in x]  # each launch's first events
+print(json.dumps({"metrics": [m for m in map(load, mets[-65536:].splitlines()) if m], "tracking": track[-1:],
                   "failures": {n: f for n, f in fails.items() if f.get("launch_id") == lid},
                   "latest": tail(d / "checkpoints" / "latest").strip() or None}))
 """
@@ -82,6 +84,7 @@ def gather(args) -> tuple[dict, int]:
            or {"metrics": [], "failures": {}, "latest": None})  # no answer here either: the rows below say so
     train = [m for m in src["metrics"] if m.get("kind") == "train"]
     val = next((m for m in reversed(src["metrics"]) if m.get("kind") == "val"), None)
+    track = (src.get("tracking") or [None])[0]
     seen: dict[str, list] = {}  # per rank, from this Mac's launch log: its last 20 steps
     log = run_dir / "logs" / f"launch-{stage}.log"
     for line in (log.read_bytes()[-262144:].decode(errors="replace") if log.is_file() else "").splitlines():
@@ -115,7 +118,7 @@ def gather(args) -> tuple[dict, int]:
           "last_val": {"step": val["step"], "loss": val["loss"]} if val else None,
           "latest_checkpoint": src["latest"], "failures": src["failures"], "status": STATUS[code],
           "why": why, "verdict": {k: verdict.get(k) for k in VERDICT_KEYS} if verdict else None,
-          "supervisor": sup}
+          "supervisor": sup, "tracking": track and {k: track.get(k) for k in ("mode", "id", "url", "dir")}}
     return st, code
 
 
@@ -139,6 +142,8 @@ def human(st: dict) -> list[str]:
     if val:
         L.append(f"validation: loss {num(val['loss'])} at step {val['step']}")
     L.append(f"checkpoint: {st['latest_checkpoint'] or 'none yet'}")
+    if st["tracking"]:
+        L.append(tracking.describe(st["tracking"]))
     L += [f"rank {r}: step {x['last_step']}, {x['since_s']:.0f} s ago, {num(x['tok_per_s'], ',.0f')} tok/s"
           for r, x in ranks.items()]
     L += [f"{n} failed: {f.get('category')}: {f.get('message')}" for n, f in st["failures"].items()]

@@ -24,13 +24,10 @@ import json
 import math
 import os
 import socket
-import subprocess
 import sys
-import threading
 import time
-import traceback
 import types
-from contextlib import contextmanager, redirect_stdout
+from contextlib import redirect_stdout
 from functools import partial
 from pathlib import Path
 
@@ -47,11 +44,12 @@ from lib import atomic, chat, jsonl  # noqa: E402
 from lib import checkpoint as ckpt  # noqa: E402
 from lib import config as C  # noqa: E402
 from lib.hashing import digest_of, sha256_file  # noqa: E402
-from lib.log import DATA, OOM_RE, PARITY, STABILITY, RunbookError, error_of_code, event, failure  # noqa: E402
+from lib.log import DATA, PARITY, STABILITY, RunbookError, error_of_code, failure  # noqa: E402
 from lib.loss import make_loss  # noqa: E402
+from lib.rank import Reporter, as_error, fail, keep_awake  # noqa: E402
+from lib.tracking import Tracker  # noqa: E402
 
 SPLITS = ("train", "valid", "test")
-CAFFEINATE = "/usr/bin/caffeinate"  # macOS; absent on Linux (tests point it at a fake)
 # The config keys a caller overrides (launcher, smoke, the OOM ladder, bench), by mlx-lm's flag names.
 FLAGS = (("model", str), ("data", str), ("iters", int), ("seed", int), ("batch_size", int),
          ("optimizer", str), ("learning_rate", float), ("save_every", int), ("steps_per_eval", int),
@@ -70,96 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-at-step", type=int, help="stop after this step, with a checkpoint")
     p.add_argument("--allow-world-change", action="store_true", help="--resume on another world size, the "
                    "global batch cut as before (gradient accumulation; needs grad_average: tokens)")
+    p.add_argument("--no-tracking", action="store_true", help="ignore the config's report_to (smoke)")
     for key, typ in FLAGS:
         p.add_argument("--" + key.replace("_", "-"), type=typ, default=None)
-    return p
-
-
-# ---- per-rank output ------------------------------------------------------------------------------
-class Reporter:
-    """The rank's lines on stdout and in logs/rank-R.log; rank 0's metrics.jsonl; the step a failure names."""
-
-    def __init__(self, run_dir: Path, rank: int):
-        self.run_dir, self.rank, self.step, self.metrics = run_dir, rank, None, None
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.log = open(run_dir / "logs" / f"rank-{rank}.log", "a", encoding="utf-8")
-        self.t0 = self.last_beat = time.monotonic()
-
-    def marker(self, name: str) -> Path:
-        return self.run_dir / "logs" / f"rank-{self.rank}.{name}.json"
-
-    def line(self, name: str, /, **fields) -> None:
-        self.log.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {event(name, **fields)}\n")
-        self.log.flush()
-
-    def warn(self, message: str) -> None:
-        self.line("warning", rank=self.rank, message=json.dumps(message))
-
-    def beat(self, phase: str, every_s: float = 1.0) -> None:
-        """A progress line for the orchestrator's watchdog (at most one per every_s)."""
-        if time.monotonic() - self.last_beat >= every_s:
-            self.last_beat = time.monotonic()
-            self.line("progress", rank=self.rank, phase=phase)
-
-    @contextmanager
-    def beating(self, phase: str):
-        """Progress lines every 3 s around one long local call without collectives; they stop first."""
-        self.beat(phase, 0.0)
-        done, t0 = threading.Event(), time.monotonic()
-
-        def beats() -> None:
-            while not done.wait(3.0):
-                self.line("progress", rank=self.rank, phase=phase, elapsed_s=round(time.monotonic() - t0))
-
-        (thread := threading.Thread(target=beats, daemon=True)).start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
-
-    def event(self, kind: str, step: int, **fields) -> None:
-        """Rank 0: one metrics event (JSON has no NaN/inf: those are null and named in `nonfinite`)."""
-        if self.metrics is None:
-            return
-        ev = {"step": step, "kind": kind, "loss": None, "lr": None, "tokens": None, "tok_per_s": None,
-              "peak_mem_gb": None, "wall_s": round(time.monotonic() - self.t0, 3), **fields}
-        if bad := {k: str(v) for k, v in ev.items() if isinstance(v, float) and not math.isfinite(v)}:
-            ev.update({k: None for k in bad}, nonfinite=bad)
-        self.metrics.write(jsonl.dumps(ev) + "\n")
-        self.metrics.flush()
-
-
-def as_error(e: BaseException) -> RunbookError:
-    """An exception as the RunbookError it stands for (out of memory by MLX's error text)."""
-    if isinstance(e, RunbookError):
-        return e
-    if isinstance(e, (RuntimeError, MemoryError)) and OOM_RE.search(str(e)):
-        return RunbookError(f"out of memory or GPU timeout: {e}; retry with the orchestrator's fallback "
-                            "ladder (per-rank batch 1 with gradient accumulation)", "out-of-memory")
-    traceback.print_exc()
-    return RunbookError(f"{type(e).__name__}: {e}", "trainer")
-
-
-def fail(err: RunbookError, rep: Reporter, launch_id: str) -> int:
-    """Write logs/rank-R.failure.json and say why; returns the exit code."""
-    atomic.write_json(rep.marker("failure"), {
-        "rank": rep.rank, "category": err.category, "anchor": err.anchor, "kind": err.kind,
-        "message": err.args[0], "step": rep.step, "exit_code": err.exit_code, "launch_id": launch_id,
-        "host": socket.gethostname(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    rep.line("failed", rank=rep.rank, exit_code=err.exit_code, category=json.dumps(err.category),
-             step=rep.step, message=json.dumps(str(err)))
-    print(f"error: {err}", file=sys.stderr, flush=True)
-    return err.exit_code
-
-
-def keep_awake(rep: Reporter):
-    """macOS: `caffeinate -i -w PID` keeps this Mac from idle sleep while this rank lives."""
-    if not os.path.isfile(CAFFEINATE):
-        return None
-    p = subprocess.Popen([CAFFEINATE, "-i", "-w", str(os.getpid())], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    rep.line("caffeinate", rank=rep.rank, pid=p.pid)
     return p
 
 
@@ -391,6 +302,11 @@ def setup(args, coll: Group, rep: Reporter):
                         "dataset_sha256": r.ds_sha, "world_size": coll.size, "launch_id": args.launch_id}}
     if rank0:
         rep.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if cfg["report_to"] and not args.no_tracking:  # W&B's start: up to INIT_TIMEOUT_S when offline
+            with rep.beating("tracking"):
+                rep.tracker = Tracker(partial(rep.warn, what="tracking"))
+                rep.tracker.start(cfg, run_dir, r.start)
+            rep.event("tracking", r.start, **rep.tracker.info)
         ckpt.sweep_temporaries(r.ckroot)
         atomic.write_json(r.adapters / "adapter_config.json", r.adapter_config)
         if r.world_change:
@@ -569,7 +485,8 @@ def train(r) -> int:
         if stop:
             rep.line("stopped", rank=coll.rank, step=it, reason="--stop-at-step")
             rep.event("done", it, stopped=True, checkpoint_s=round(r.ckpt_time, 4),
-                      train_wall_s=round(time.perf_counter() - t_wall, 4))
+                      train_wall_s=round(time.perf_counter() - t_wall, 4), **rep.tracker.cost())
+            rep.tracker.finish(0)
             return 0
     return finish(r, time.perf_counter() - t_wall)
 
@@ -584,15 +501,14 @@ def finish(r, wall: float) -> int:
     if r.last_val and r.val0 is not None and not r.last_val[1] < r.val0:
         msg = (f"the final validation loss {r.last_val[1]:.4f} (step {r.last_val[0]}) is not below step 0's "
                f"{r.val0:.4f}: this adapter does not improve on the base model")
-        rep.warn(msg)
-        rep.event("warning", iters, what="no-improvement", loss=r.last_val[1], val_loss_step0=r.val0,
-                  message=msg)
+        rep.warn(msg, "no-improvement", loss=r.last_val[1], val_loss_step0=r.val0)
     name, val_loss = ckpt.best(r.ckroot) or (None, None)
     best = str(r.ckroot / name) if name else None
     rep.line("done", step=iters, wall_s=wall, checkpoint_s=r.ckpt_time, adapter=r.adapters, best=name or "-",
              best_adapter=best or "-")
     rep.event("done", iters, checkpoint_s=round(r.ckpt_time, 4), train_wall_s=round(wall, 4), best=name,
-              best_val_loss=val_loss, best_adapter=best, world_change=r.world_change)
+              best_val_loss=val_loss, best_adapter=best, world_change=r.world_change, **rep.tracker.cost())
+    rep.tracker.finish(0)
     return 0
 
 

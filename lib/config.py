@@ -38,12 +38,12 @@ OPTIMIZERS = ("adam", "adamw", "muon", "sgd", "adafactor")
 # mlx-lm keys refused with the reason (they mean something else in a runbook run).
 REFUSED = {"hf_dataset": "Hugging Face datasets are not used: export to datasets/NAME and set data",
            "adapter_path": "the trainer writes the adapter to RUN_DIR/adapters; remove the key",
-           "config": "a config cannot name another config", **dict.fromkeys(("report_to", "project_name"),
-           "no reporting service is wired in: the metrics are in runs/<RUN>/metrics.jsonl; remove the key")}
+           "config": "a config cannot name another config"}
 
 # Keys a resume may change; everything else is in config_hash() and must match.
 RESUMABLE = {"model", "data", "iters", "steps_per_report", "save_every", "keep_last_k", "watchdog_s", "test",
-             "test_batches", "clear_cache_threshold", "trust_remote_code", "resume_adapter_file"}
+             "test_batches", "clear_cache_threshold", "trust_remote_code", "resume_adapter_file", "report_to",
+             "project_name"}
 
 
 def _is(want: str, test):
@@ -102,6 +102,9 @@ KEYS = {
     "max_seq_length": (2048, _int(2)), "grad_checkpoint": (False, _bool),
     "grad_accumulation_steps": (1, _int(1)), "clear_cache_threshold": (0, _int(0)),
     "lora_parameters": ({"rank": 8, "dropout": 0.0, "scale": 20.0}, _lora),
+    # W&B from rank 0 (lib/tracking.py); mlx-lm's swanlab is not wired in
+    "report_to": (None, _is("null or wandb (swanlab is not wired in)", lambda v: v in (None, "wandb"))),
+    "project_name": (None, _opt_str),  # W&B's project (null: thunder-runbook)
     "mask_prompt": (False, _bool), "trust_remote_code": (False, _bool), "chat_feature": ("messages", _str),
     "prompt_feature": ("prompt", _str), "completion_feature": ("completion", _str),
     "text_feature": ("text", _str),
@@ -158,7 +161,7 @@ def load_config(path: str | Path) -> dict:
     if not isinstance(data, dict | None):
         raise ConfigError(f"{path}: a config is a mapping of key: value, not {type(data).__name__}")
     lines = {k.value: k.start_mark.line + 1 for k, _ in node.value} if data else {}
-    # mlx-lm writes `report_to: null`: a refused key set to null is not set.
+    # mlx-lm writes every key, `hf_dataset: null` too: a refused key set to null is not set.
     data = {k: v for k, v in (data or {}).items() if not (k in REFUSED and v is None)}
     return {**copy.deepcopy(DEFAULTS), **copy.deepcopy(validate(data, str(path), lines))}
 

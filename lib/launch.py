@@ -352,7 +352,10 @@ def summarize(res: LaunchResult, category: str | None, why: str, extra: dict) ->
 
 def conclude(run_dir: Path, stage: str, summary: dict, cfg: dict, argv: list[str], world: int) -> int:
     """The stage's end: <stage>.json, the manifest, warnings, the category (+ OOM ladder), PASS/FAIL."""
-    summary["warnings"] = [m for m in metrics(run_dir) if m.get("kind") == "warning"]
+    mets = metrics(run_dir)
+    summary["warnings"] = [m for m in mets if m.get("kind") == "warning"]
+    track = [m for m in mets if m.get("kind") == "tracking"]  # rank 0's W&B run, this launch's last
+    summary["tracking"] = {k: track[-1][k] for k in ("mode", "id", "url", "dir")} if track else None
     summary["chat_template_args"] = cfg.get("chat_template_args")  # the format the adapter is trained in
     for w in summary["warnings"]:  # e.g. no-improvement: shown once more just above PASS/FAIL
         event("warning", stage=stage, what=w.get("what"), message=json.dumps(w.get("message")))

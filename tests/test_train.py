@@ -554,11 +554,14 @@ def test_config_floats_precedence_and_strictness(tmp_path):
     y.write_text("adapter_path: adapters\n")
     with pytest.raises(C.ConfigError, match="RUN_DIR/adapters"):
         C.resolve(y, {"model": "m", "data": "d"})
-    y.write_text("report_to: wandb\n")
-    with pytest.raises(C.ConfigError, match=r"c\.yaml:1: key 'report_to' is not supported: no reporting service"):
+    y.write_text("report_to: swanlab\n")  # mlx-lm takes it; the runbook tracks with W&B only
+    with pytest.raises(C.ConfigError, match=r"c\.yaml:1: report_to must be null or wandb \(swanlab is not wired"):
         C.resolve(y, {"model": "m", "data": "d"})
-    y.write_text("report_to: null\nproject_name: null\n")  # as mlx-lm writes them: not set, so fine
-    assert "report_to" not in C.resolve(y, {"model": "m", "data": "d"})
+    y.write_text("report_to: null\nproject_name: null\nhf_dataset: null\n")  # as mlx-lm writes them
+    assert C.resolve(y, {"model": "m", "data": "d"})["report_to"] is None
+    y.write_text("report_to: wandb\nproject_name: thunder\n")  # tracking is not the maths: a resume may add it
+    assert C.config_hash(C.resolve(y, {"model": "m", "data": "d"})) == C.config_hash(C.resolve(None, {
+        "model": "m", "data": "d"}))
     y.write_text("learning_rate: .inf\n")
     with pytest.raises(C.ConfigError) as e:
         C.resolve(y, {"model": "m", "data": "d"})
@@ -602,10 +605,11 @@ def test_out_of_memory_is_its_own_failure(tmp_path):
     """MLX's Metal out-of-memory text (recorded on a Mac; no Metal here) through the trainer's
     failure path: exit 13, failure.json kind oom with its anchor (the orchestrator prints the
     fallback ladder: tests/test_launch_unit.py)."""
-    train = load_trainer()
-    rep = train.Reporter(tmp_path / "run", 0)
+    from lib import rank
+
+    rep = rank.Reporter(tmp_path / "run", 0)
     rep.step = 7
-    code = train.fail(train.as_error(RuntimeError(METAL_OOM)), rep, "L1")
+    code = rank.fail(rank.as_error(RuntimeError(METAL_OOM)), rep, "L1")
     f = failure(tmp_path / "run")
     assert code == 13 and (f["kind"], f["step"], f["anchor"], f["launch_id"]) == ("oom", 7, "out-of-memory", "L1")
     assert f["category"] is None and code == FAILURES["oom"][1]

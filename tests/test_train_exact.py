@@ -267,12 +267,13 @@ def test_caffeinate_watches_the_rank(tmp_path):
     fake, log = tmp_path / "caffeinate", tmp_path / "argv.json"
     fake.write_text(f"#!{os.sys.executable}\nimport json, sys\nopen({str(log)!r}, 'w').write(json.dumps(sys.argv))\n")
     fake.chmod(0o755)
-    train = trainer()
-    rep = train.Reporter(tmp_path / "run", 0)
-    train.CAFFEINATE = str(tmp_path / "absent")
-    assert train.keep_awake(rep) is None  # Linux: no caffeinate, nothing started
-    train.CAFFEINATE = str(fake)
-    p = train.keep_awake(rep)
+    from lib import rank
+
+    rep = rank.Reporter(tmp_path / "run", 0)
+    rank.CAFFEINATE = str(tmp_path / "absent")
+    assert rank.keep_awake(rep) is None  # Linux: no caffeinate, nothing started
+    rank.CAFFEINATE = str(fake)
+    p = rank.keep_awake(rep)
     p.wait(timeout=30)
     assert json.loads(log.read_text()) == [str(fake), "-i", "-w", str(os.getpid())]
 
