@@ -194,6 +194,21 @@ def feed(pipe, data: bytes) -> None:
         pipe.flush()
 
 
+@contextlib.contextmanager
+def waiting_stdin():
+    """A stdin fd for an mlx.launch run with subprocess.run (tests, bench), as launch_and_collect gives its
+    own: open until the run ends, fed STDIN_FILL bytes, so that mlx.launch's select() waits."""
+    r, w = os.pipe()
+    (t := threading.Thread(target=feed, args=(os.fdopen(w, "wb", closefd=False), b"\n" * STDIN_FILL),
+                           daemon=True)).start()
+    try:
+        yield r
+    finally:
+        os.close(r)  # a writer still blocked on a full pipe gets EPIPE now
+        t.join(timeout=5)
+        os.close(w)
+
+
 def sweep(hosts: list[str], run: str) -> dict[str, str]:
     """Kill any rank of RUN left on any host (SIGCONT first so a frozen one can die)."""
     argv = ["sh", "-c", 'pkill -CONT -f -- "$1"; pkill -KILL -f -- "$1" && echo killed || true', "sh",

@@ -2,7 +2,9 @@
 
 Online when it can; when that fails (no API key, no network within INIT_TIMEOUT_S) the run is kept offline
 under the run folder's wandb/ for `wandb sync` later. It never stops a run: a failing call is a warning and
-tracking ends there, while metrics.jsonl stays the record. WANDB_MODE=offline or disabled is obeyed.
+tracking ends there, while metrics.jsonl stays the record. WANDB_MODE=offline or disabled is obeyed. It never
+asks: mlx.launch starts remote ranks under `ssh -tt`, and without a key wandb would prompt on that terminal
+(and read mlx.launch's stdin) forever, so WANDB_SILENT is forced on and a start that hangs is given up.
 
     t = Tracker(warn=print)                      # tracks nothing yet
     t.start(cfg, Path("runs/stage1"), resumed_at=0)
@@ -20,7 +22,15 @@ import time
 from pathlib import Path
 
 INIT_TIMEOUT_S = 30  # an online start that cannot reach W&B within this goes offline
+GIVE_UP_S = 90  # a start still not back after this (any cause) is abandoned: the run goes on untracked
 FINISH_TIMEOUT_S = 60  # an online run still uploading after this is left to `wandb sync`
+
+
+def started(box: dict, init, mode: str, kw: dict) -> None:
+    try:
+        box["run"] = init(mode=mode, **kw)
+    except Exception as e:  # wandb's UsageError (no API key), CommError (no network), anything
+        box["error"] = e
 
 
 def describe(info: dict | None) -> str:
@@ -41,6 +51,7 @@ class Tracker:
         warn, forced = self.warn, os.environ.get("WANDB_MODE", "").lower()
         if forced == "disabled":
             return
+        os.environ["WANDB_SILENT"] = "true"  # before wandb's setup reads it: no login prompt on a rank's tty
         try:
             import wandb
         except ImportError as e:
@@ -54,17 +65,23 @@ class Tracker:
               "config": cfg, "settings": settings}
         why = []
         for mode in [forced] if forced in ("online", "offline") else ["online", "offline"]:
-            try:
-                self.run = wandb.init(mode=mode, **kw)
+            box: dict = {}
+            (t := threading.Thread(target=started, args=(box, wandb.init, mode, kw), daemon=True)).start()
+            t.join(GIVE_UP_S)
+            if "run" in box:
+                self.run = box["run"]
                 break
-            except Exception as e:  # wandb's UsageError (no API key), CommError (no network), anything
-                why.append(f"{mode}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            e = box.get("error") or TimeoutError(f"no answer within {GIVE_UP_S} s (given up)")
+            why.append(f"{mode}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            if t.is_alive():  # a hung start would hang an offline one too
+                break
         if self.run is None:
             warn(f"W&B did not start ({'; '.join(why)}); metrics.jsonl only")
             return
+        folder = run_dir / "wandb" / Path(self.run.sync_dir).name  # as on disk under the run folder
         offline = self.run.settings.mode == "offline"
         self.info.update(mode="offline" if offline else "online", id=self.run.id,
-                         url=None if offline else self.run.url, dir=os.path.relpath(self.run.sync_dir))
+                         url=None if offline else self.run.url, dir=str(folder))
         if why:
             warn(f"W&B online did not start ({why[0]}); tracking offline: `.venv/bin/wandb sync "
                  f"{self.info['dir']}` on Mac1 uploads it once the run is home")

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -17,35 +15,15 @@ sys.path.insert(0, str(ROOT))
 PY = sys.executable
 
 
-@contextlib.contextmanager
-def launch_stdin():
-    """A stdin for mlx.launch as lib/launch.py gives it: open, and enough bytes to fill each local rank's
-    pipe, so that its select() waits instead of spinning a core (of this machine's two)."""
-    from lib import launch
-
-    r, w = os.pipe()
-
-    def fill(data=b"\n" * launch.STDIN_FILL):
-        with contextlib.suppress(OSError):  # the launch ended before it read them all
-            while data:
-                data = data[os.write(w, data):]
-
-    (t := threading.Thread(target=fill, daemon=True)).start()
-    try:
-        yield r
-    finally:
-        os.close(r)
-        t.join(timeout=5)
-        os.close(w)
-
-
 def run(cmd, check=True, **kw):
     """Run a command (argument list) from the repo root, capturing text output."""
     kw.setdefault("cwd", ROOT)
     kw.setdefault("capture_output", True)
     kw.setdefault("text", True)
     if Path(str(cmd[0])).name == "mlx.launch" and "stdin" not in kw and "input" not in kw:
-        with launch_stdin() as fd:
+        from lib import launch  # its stdin lets mlx.launch's select() wait instead of spinning a core
+
+        with launch.waiting_stdin() as fd:
             p = subprocess.run(cmd, stdin=fd, **kw)
     else:
         p = subprocess.run(cmd, **kw)

@@ -17,6 +17,7 @@ import shutil
 
 import pytest
 from conftest import PY, ROOT, make, require_fabric, run
+from support import wandb_mismatches
 from test_demo import check_report
 from test_model import hub_cache
 from test_stages_fabric import check_smoke
@@ -83,8 +84,10 @@ def test_the_real_run_as_written_on_fresh_hosts(fresh_fabric, tmp_path):
     # The demo recipe at 8 steps (make test's budget), in configs/ as an operator's own config would be
     # (sync sends configs/ with the code); CONFIG is a setting like the others.
     run_config = ROOT / "configs" / f"{name}.yaml"
+    # It tracks with W&B as configs/stage1.yaml does; no API key here, so online fails and it goes offline.
     run_config.write_text((ROOT / "configs/demo.yaml").read_text().replace("iters: 20", "iters: 8")
-                      .replace("save_every: 10", "save_every: 4").replace("steps_per_eval: 10", "steps_per_eval: 4"))
+                      .replace("save_every: 10", "save_every: 4").replace("steps_per_eval: 10", "steps_per_eval: 4")
+                      + "report_to: wandb\nproject_name: thunder-test\n")
     settings = tmp_path / "settings.mk"
     settings.write_text("\n".join([
         f"HOSTFILE    = {fab.hostfile(2)}",
@@ -117,6 +120,7 @@ def test_the_real_run_as_written_on_fresh_hosts(fresh_fabric, tmp_path):
         check_smoke(name, fab, fab.hosts[:2])  # every criterion; logs and checkpoint came home; no rank left
         summary = json.loads((ROOT / "runs" / name / "train.json").read_text())
         assert summary["ok"] and summary.get("world_size", 2) == 2
+        check_tracking(name, fab)
         config = json.loads((ROOT / model / "config.json").read_text())
         assert config["model_type"] == "gemma4" and config["quantization"]["bits"] == 4  # what trained
 
@@ -135,6 +139,25 @@ def test_the_real_run_as_written_on_fresh_hosts(fresh_fabric, tmp_path):
         run_config.unlink(missing_ok=True)
         for st in (ROOT / ".stamps").glob(f"*{name}*"):
             st.unlink()
+
+
+def check_tracking(name: str, fab) -> None:
+    """#28: rank 0 (fab1) tracked the train and the control offline, the folders came home, W&B holds what
+    metrics.jsonl holds, and train.json, control.json and the report say where."""
+    report = (ROOT / "runs" / name / "compare" / "report.md").read_text()
+    for run_id, stage in ((name, "train"), (f"{name}-control", "control")):
+        t = json.loads((ROOT / "runs" / run_id / f"{stage}.json").read_text())["tracking"]
+        assert t["mode"] == "offline" and re.fullmatch(r"[a-z0-9]{8}", t["id"]) and t["url"] is None, t
+        assert t["dir"].startswith(f"runs/{run_id}/wandb/offline-run-") and t["dir"].endswith(t["id"]), t
+        assert (fab.backing_dir("fab1") / t["dir"] / f"run-{t['id']}.wandb").is_file(), "rank 0 did not write it"
+        assert not wandb_mismatches(ROOT / "runs" / run_id, ROOT / t["dir"])  # home, and all of it
+        kinds = [json.loads(x)["kind"] for x in (ROOT / "runs" / run_id / "metrics.jsonl").read_text().splitlines()]
+        assert kinds.count("step") == 8 and kinds.count("tracking") == 1, kinds
+        warned = [w["message"] for w in json.loads((ROOT / "runs" / run_id / f"{stage}.json").read_text())["warnings"]]
+        assert any("W&B online did not start" in w and f".venv/bin/wandb sync {t['dir']}" in w for w in warned), warned
+        assert f"W&B offline run {t['id']}: `.venv/bin/wandb sync {t['dir']}` uploads it" in report
+    assert not (fab.backing_dir("fab2") / "runs" / name / "wandb").exists(), "rank 1 tracked too"
+    assert not (ROOT / "runs" / name / "smoke" / "wandb").exists(), "the smoke is a gate: not tracked"
 
 
 def test_a_stamp_without_its_run_folder_re_runs(tmp_path):

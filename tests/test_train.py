@@ -15,6 +15,7 @@ What is proven here:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -468,6 +469,51 @@ def test_a_rank_frozen_in_the_final_evaluation_is_a_hang(long_test_run):
 
 
 # ---- failure categories -------------------------------------------------------------------------------
+def test_tracking_never_stops_a_run(model, data, tmp_path):
+    """#28: report_to: wandb with no API key goes offline, without a prompt on the terminal that mlx.launch's
+    `ssh -tt` gives a remote rank (stdin and stderr a pty here: wandb asked, and read mlx.launch's newlines,
+    forever); W&B's service process killed at step 3 (a crash of wandb-core) is a warning, and the run goes
+    on to the end with every event in metrics.jsonl (what the dead service had not written to disk is lost
+    to W&B: metrics.jsonl is the record)."""
+    import pty
+    import threading
+
+    cfg = tmp_path / "tracked.yaml"
+    cfg.write_text(CONFIG + "report_to: wandb\n")
+    run_dir = tmp_path / "tracked"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    tty, term = pty.openpty()
+    p = subprocess.Popen([PY, "bin/train.py", *train_args(cfg, model, data, run_dir)], cwd=ROOT, env=env,
+                         stdin=term, stdout=subprocess.PIPE, stderr=term, text=True)
+    os.close(term)
+    said = []  # what reached the terminal: a prompt would be here
+
+    def drain():
+        with contextlib.suppress(OSError):
+            while chunk := os.read(tty, 4096):
+                said.append(chunk.decode(errors="replace"))
+
+    threading.Thread(target=drain, daemon=True).start()
+    out, killed = [], []
+    for line in p.stdout:
+        out.append(line)
+        if line.startswith("iter 3 rank 0 ") and not killed:
+            kids = subprocess.run(["pgrep", "-P", str(p.pid), "-f", "wandb-core"], capture_output=True, text=True)
+            killed = kids.stdout.split()
+            for pid in killed:
+                os.kill(int(pid), signal.SIGKILL)
+    assert p.wait(timeout=60) == 0 and killed, "".join(out[-40:])
+    assert "Enter your choice" not in "".join(said + out), said
+    assert "done step 12" in "".join(out)
+    assert sorted(events(run_dir, "step")) == list(range(1, 13)), "metrics.jsonl lost a step"
+    (t,) = events(run_dir, "tracking").values()
+    assert t["mode"] == "offline" and t["dir"].endswith(t["id"])
+    warned = [e["message"] for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+              if e["kind"] == "warning"]
+    assert any("UsageError: No API key configured" in w for w in warned), warned
+    assert any(re.match(r"W&B log failed at step \d+ .*tracking stops, metrics.jsonl goes on", w) for w in warned)
+
+
 def failure(run_dir: Path, rank: int = 0) -> dict:
     return json.loads((run_dir / "logs" / f"rank-{rank}.failure.json").read_text())
 
