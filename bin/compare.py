@@ -97,7 +97,8 @@ def run_facts(role: str, run_id: str) -> dict:
     sections = repro.read_text(encoding="utf-8").split("\n# --- stage: ")[1:] if repro.is_file() else []
     return {
         "role": role, "run": run_id, "ok": bool(summary.get("ok")), "why": summary.get("why") or "",
-        **{k: summary.get(k) for k in ("category", "fallback", "best_adapter", "final_step", "world_size")},
+        **{k: summary.get(k) for k in ("category", "fallback", "best_adapter", "final_step", "world_size",
+                                       "rank_batches")},
         **{k: man.get(k) for k in ("hostfile_path", "lock_sha256", "dataset", "dataset_sha256", "model",
                                    "model_sha256")},
         "hosts": [h.get("ssh") for h in hostfile.get("hosts", [])], "hostfile": hostfile,

@@ -19,6 +19,7 @@ one supervisor per run, Ctrl-C, a closed terminal, make stop: RUNBOOK.md#one-lau
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, hostfile, launch, paths, supervisor  # noqa: E402
+from lib.config import rank_batches, set_flag  # noqa: E402
 from lib.hostfile import check_hostname  # noqa: E402
 from lib.log import HANG, RunbookError, die, event  # noqa: E402
 from lib.remote import run_on  # noqa: E402
@@ -54,7 +56,7 @@ def control_setup(args, hf):
     path = paths.run_dir(args.run) / "hostfile.json"
     one = {"ssh": ssh, "ips": ips, "rdma": [None] if hf.backend.startswith("jaccl") else []}  # jaccl: 1 x 1
     atomic.write_json(path, {"backend": hf.backend, "envs": hf.envs, "hosts": [one]})
-    args.hostfile = paths.rel(path)
+    args.hostfile, args.rank_shares, args.rank_batches = paths.rel(path), None, [sum(args.rank_batches)]
     return dual, hostfile.load(args.hostfile)
 
 
@@ -70,7 +72,12 @@ def recover(args, hf, n: int, swept: dict):
                     for h in hf.hosts if h.rank in keep]
             atomic.write_json(path, {"backend": hf.backend, "envs": hf.envs, "hosts": left})
             args.hostfile, hf = paths.rel(path), hostfile.load(path)
-            rec["fallback"] = {"lost": lost, "hosts": [h.ssh for h in hf.hosts], "hostfile": args.hostfile}
+            bs, args.rank_batches = sum(args.rank_batches), [sum(args.rank_batches) // hf.size] * hf.size
+            if args.rank_shares:  # the hosts left keep their shares, re-normalized over the same global batch
+                args.rank_shares = [args.rank_shares[k] for k in keep]
+                args.rank_batches = rank_batches({"batch_size": bs, "rank_shares": args.rank_shares}, hf.size)
+            rec["fallback"] = {"lost": lost, "hosts": [h.ssh for h in hf.hosts], "hostfile": args.hostfile,
+                               "rank_batches": args.rank_batches}
             man = paths.RUNS / args.run / "manifest.json"
             atomic.write_json(man, {**paths.read_json(man), "fallback": rec["fallback"]})
     p = subprocess.run([sys.executable, "bin/check_parity.py", "--gate", "runtime", "--python", args.python,
@@ -111,6 +118,7 @@ def main() -> int:
                          FALLBACK=args.fallback and "1", **dual)
     launch.write_manifest(run_dir, args.stage, v, hf, {"world_size": hf.size, "stage": args.stage,
                                                       "iters": cfg["iters"], "control_of": dual.get("RUN"),
+                                                      "rank_batches": args.rank_batches,
                                                       "chat_template_args": cfg["chat_template_args"]})
     targs = launch.trainer_args(args, run_rel, args.config, resume=args.resume)
     argv = launch.launch_argv(args.hostfile, hf, args.python, args.remote_root, targs, args.port)
@@ -125,11 +133,13 @@ def main() -> int:
         if go:  # a checkpoint of another world size resumes with the same global batch
             t = [*targs, *["--resume"] * ("--resume" not in targs)]  # a copy: targs stays as launched
             t += ["--allow-world-change"] if hf.size != world0 else []
+            t = set_flag(t, "--rank-shares", json.dumps(args.rank_shares)) if args.rank_shares else t
             res, ev, run_argv, cat, why = launch.launch_and_collect(args, hf, run_rel, t, log, cfg["iters"])
     last = {"train": {}, "test": {}, "done": {}} | {m.get("kind"): m for m in launch.metrics(run_dir)}
     best, adapters = last["done"].get("best_adapter"), run_dir / "adapters" / "adapters.safetensors"
     summary = launch.summarize(res, cat, why, {
         "stage": args.stage, "run": args.run, "world_size": hf.size, "joined": sorted(ev["joined"]),
+        "rank_batches": args.rank_batches,
         "final_step": last["train"].get("step"), "test_loss": last["test"].get("loss"), "attempts": attempts,
         "test_ppl": last["test"].get("ppl"), "best_val_loss": last["done"].get("best_val_loss"),
         "adapter": f"{run_rel}/adapters" if adapters.is_file() else None, "fetched": ev["fetched"],

@@ -47,6 +47,7 @@ def main() -> int:
         return die(e, 2)
     run_dir, run_rel, v = paths.run_dir(args.run), f"runs/{args.run}/smoke", launch.variables(args, "smoke")
     man = launch.write_manifest(run_dir, "smoke", v, hf, {"world_size": hf.size,
+                                                           "rank_batches": args.rank_batches,
                                                            "chat_template_args": cfg["chat_template_args"]})
     targs = [*launch.trainer_args(args, run_rel, args.config, iters=save_every), "--no-tracking"]  # a gate
     res, ev, argv, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, "launch-1.log", save_every)

@@ -54,7 +54,7 @@ SPLITS = ("train", "valid", "test")
 FLAGS = (("model", str), ("data", str), ("iters", int), ("seed", int), ("batch_size", int),
          ("optimizer", str), ("learning_rate", float), ("save_every", int), ("steps_per_eval", int),
          ("steps_per_report", int), ("max_seq_length", int), ("grad_accumulation_steps", int),
-         ("val_batches", int), ("test_batches", int))
+         ("val_batches", int), ("test_batches", int), ("rank_shares", json.loads))  # shares: `[5, 3]`
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,7 +127,7 @@ class Group:
 def load_all(r) -> None:
     """The config, mlx-lm's load, its datasets tokenized now (a bad record names its line), the optimizer."""
     cfg = r.cfg = C.resolve(r.args.config, {key: getattr(r.args, key) for key, _ in FLAGS})
-    C.check_world(cfg, r.coll.size)
+    r.per_rank = C.rank_batches(cfg, r.coll.size)  # records per rank: even, or by rank_shares
     d, m, host, rep = Path(cfg["data"]), cfg["model"], socket.gethostname(), r.rep
     if not (d / "train.jsonl").is_file():  # the cheap checks before the slow load
         raise failure(DATA, f"dataset {d / 'train.jsonl' if d.is_dir() else d} not found on {host} (cwd "
@@ -187,10 +187,11 @@ class Batches:
     world change, the old ranks' several) on one numpy stream seeded as `mlx_lm lora` seeds it, where each
     validation (iteration 1, every steps_per_eval; not the last) draws a permutation. Resume: next(1..k)."""
 
-    def __init__(self, np, dataset, cfg: dict, shares, shards: int, n_val: int):
+    def __init__(self, np, dataset, cfg: dict, shares, shards: int, n_val: int, merge: bool = False):
         from mlx_lm.tuner.trainer import iterate_batches
 
         self.np, self.rs, self.n_val, self.cfg = np, np.random.RandomState(cfg["seed"]), n_val, cfg
+        self.merge = merge  # rank_shares: this rank's shares as one batch, padded to the longest (masked)
         groups = [types.SimpleNamespace(rank=lambda j=j: j, size=lambda: shards) for j in shares]
         self.gens = [iterate_batches(dataset, cfg["batch_size"], cfg["max_seq_length"], True, comm_group=g)
                      for g in groups]
@@ -204,6 +205,10 @@ class Batches:
         self.rs.set_state(self.np.random.get_state())
         if self.n_val and (it == 1 or it % self.cfg["steps_per_eval"] == 0):
             self.rs.permutation(self.n_val)
+        if self.merge and len(out) > 1:
+            n = max(b.shape[1] for b, _ in out)
+            out = [(mx.concatenate([mx.pad(b, [(0, 0), (0, n - b.shape[1])]) for b, _ in out]),
+                    mx.concatenate([lengths for _, lengths in out]))]
         return out
 
 
@@ -271,8 +276,10 @@ def setup(args, coll: Group, rep: Reporter):
     atomic.write_json(rep.marker("joined"), {**joined, "phase": "data-loaded", "data": cfg["data"],
                                              "records": sum(r.counts.values()), "records_by_split": r.counts,
                                              "tokens_by_split": r.tokens, "dataset_sha256": r.ds_sha,
-                                             "chat_format": r.chat_format})
-    rep.line("data", rank=coll.rank, **r.counts, train_tokens=r.tokens["train"], dataset_sha256=r.ds_sha)
+                                             "chat_format": r.chat_format,
+                                             "rank_batch": r.per_rank[coll.rank]})
+    rep.line("data", rank=coll.rank, **r.counts, train_tokens=r.tokens["train"], dataset_sha256=r.ds_sha,
+             rank_batch=r.per_rank[coll.rank])
     # ---- a fresh start or a resume: rank 0 picks the checkpoint, every rank takes it ----
     r.n_batches, resume = len(r.sets["train"]) // bs, args.resume
     picked = coll.run(ckpt.pick if rank0 and resume else None, r.ckroot, cfg, r.ds_sha, r.n_batches,
@@ -280,9 +287,18 @@ def setup(args, coll: Group, rep: Reporter):
     if not resume and (dest := coll.run(ckpt.archive_run if rank0 else None, run_dir)):
         rep.line("fresh-start", rank=0, archived=dest)
     st = coll.bcast_json(picked and picked[1]) if resume else {}
-    r.shards, r.world_change = ckpt.shards_for(st, coll.size, args.allow_world_change, cfg["grad_average"])
     n_val = len(val) // bs if val is not None and cfg["val_batches"] != 0 else 0
-    r.batches = Batches(np, r.sets["train"], cfg, range(coll.rank, r.shards, coll.size), r.shards, n_val)
+    if uneven := len(set(r.per_rank)) > 1:  # rank_shares: shards of gcd records, this rank's run of them as
+        # one batch; token-weighted, any split of the global batch gives the same gradient
+        g, at = math.gcd(*r.per_rank), sum(r.per_rank[:coll.rank])
+        r.shards, mine = bs // g, range(at // g, (at + r.per_rank[coll.rank]) // g)
+        r.world_change = {"world_size_from": st["world_size"], "world_size": coll.size,
+                          "rank_batches": r.per_rank} if st and st["world_size"] != coll.size else None
+    else:
+        r.shards, r.world_change = ckpt.shards_for(st, coll.size, args.allow_world_change,
+                                                   cfg["grad_average"])
+        mine = range(coll.rank, r.shards, coll.size)
+    r.batches = Batches(np, r.sets["train"], cfg, mine, r.shards, n_val, merge=uneven)
     if st:  # the weights, optimizer and RNG key of rank 0's checkpoint; the data order replayed
         own_w, own_o = (dict(tree_flatten(t)) for t in (r.model.trainable_parameters(), r.optimizer.state))
         w = coll.run(ckpt.read_fitting, mx.load, picked and picked[0], own_w, "adapters")
@@ -323,7 +339,8 @@ def save_checkpoint(r, step: int, final: bool) -> None:
     val_loss, meta = r.last_val[1] if r.last_val and r.last_val[0] == step else None, {"format": "mlx"}
     config = atomic.dumps_json({**r.adapter_config, "adapter_path": str(r.ckroot / ckpt.name_of(step))})
     state = {"config": r.cfg, "config_sha256": r.chash, "files_sha256": r.ds_sha, "world_size": r.coll.size,
-             "shards": r.shards, "final": final, "launch_id": r.args.launch_id, "val_loss": val_loss,
+             "shards": r.shards if len(set(r.per_rank)) == 1 else r.coll.size, "rank_batches": r.per_rank,
+             "final": final, "launch_id": r.args.launch_id, "val_loss": val_loss,
              "rng": {"mx_key": [int(k[0]), int(k[1])]}, "time": time.strftime("%FT%T%z"), "window": r.window,
              "data": {"n_batches": n, "epoch": (step - 1) // n, "pos": (step - 1) % n + 1},
              "trained_tokens": r.trained_tokens, "initial_loss": r.initial_loss, "val0": r.val0}

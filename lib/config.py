@@ -43,7 +43,7 @@ REFUSED = {"hf_dataset": "Hugging Face datasets are not used: export to datasets
 # Keys a resume may change; everything else is in config_hash() and must match.
 RESUMABLE = {"model", "data", "iters", "steps_per_report", "save_every", "keep_last_k", "watchdog_s", "test",
              "test_batches", "clear_cache_threshold", "trust_remote_code", "resume_adapter_file", "report_to",
-             "project_name"}
+             "project_name", "rank_shares"}  # shares: token-weighted, every split is the same global batch
 
 
 def _is(want: str, test):
@@ -116,6 +116,10 @@ KEYS = {
     "loss": ("default", _in("default", "chunked")), "loss_chunk_tokens": (64, _int(1)),
     "grad_average": ("mlx_lm", _in("mlx_lm", "tokens")),  # mean of rank means, or sum / global tokens
     "max_grad_norm": (None, _opt_pos),  # clip the global gradient norm before the step (null: no clipping)
+    # each rank's share of the global batch, in the hostfile's order (null: even; auto: by calibration)
+    "rank_shares": (None, _is("null, auto, or a list of integers >= 1, one per rank in the hostfile's order",
+                              lambda v: v is None or v == "auto" or isinstance(v, list) and len(v) > 0
+                              and all(type(x) is int and x >= 1 for x in v))),
     # mlx-lm's name: keyword arguments of every chat-template rendering (lib/chat.py), e.g. enable_thinking
     "chat_template_args": (None, _is("null or a mapping of keyword arguments, e.g. {enable_thinking: false}",
                                      lambda v: v is None or isinstance(v, dict)
@@ -173,6 +177,9 @@ def resolve(path: str | Path | None, overrides: dict | None = None) -> dict:
     for key in ("model", "data"):
         if not cfg[key]:
             raise ConfigError(f"no {key} given: set `{key}:` in the config or pass --{key}")
+    if cfg["rank_shares"] and cfg["grad_average"] != "tokens":
+        raise ConfigError(f"rank_shares {cfg['rank_shares']} needs `grad_average: tokens`: only a token-"
+                          "weighted gradient is the same however the global batch is split")
     for key in ("save_every", "iters"):
         if cfg[key] % cfg["grad_accumulation_steps"]:
             raise ConfigError(f"{key} ({cfg[key]}) must be a multiple of grad_accumulation_steps "
@@ -189,6 +196,28 @@ def config_hash(cfg: dict) -> str:
 def diff_keys(a: dict, b: dict) -> list[str]:
     """Keys outside RESUMABLE whose values differ between two resolved configs."""
     return sorted(k for k in (set(a) | set(b)) - RESUMABLE if a.get(k) != b.get(k))
+
+
+def rank_batches(cfg: dict, world_size: int) -> list[int]:
+    """Each rank's records of the global batch: batch_size / W each (mlx-lm's rule), or with rank_shares in
+    their proportion, whole records (the largest remainders get the rest), none at zero. One rank takes it
+    all (the control). rank_shares: auto must have been resolved (lib/launch.py) before this."""
+    bs, shares = cfg["batch_size"], cfg["rank_shares"]
+    if not shares or world_size == 1:
+        check_world(cfg, world_size)
+        return [bs // world_size] * world_size
+    if not isinstance(shares, list) or len(shares) != world_size:
+        raise ConfigError(f"rank_shares {shares} is not one share per rank: the hostfile has {world_size} "
+                          "ranks (its hosts' order is the ranks')")
+    if bs < world_size:
+        raise ConfigError(f"batch_size {bs} cannot give each of {world_size} ranks a record: raise it")
+    exact = [bs * s / sum(shares) for s in shares]
+    n = [max(1, math.floor(x)) for x in exact]
+    for _ in range(abs(bs - sum(n))):  # to bs: +1 where most is missing, -1 where most is over (never to 0)
+        i = max((j for j in range(world_size) if sum(n) < bs or n[j] > 1),
+                key=lambda j: (exact[j] - n[j]) * (1 if sum(n) < bs else -1))
+        n[i] += 1 if sum(n) < bs else -1
+    return n
 
 
 def check_world(cfg: dict, world_size: int) -> None:  # batch_size is the global batch, as in mlx-lm

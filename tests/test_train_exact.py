@@ -126,6 +126,29 @@ def test_token_weighted_dual_equals_control(runs):
     assert ev["grad_norm"] > 0 and "grad_norm" in events(control, "step")[6]
 
 
+def test_uneven_shares_dual_equals_control(runs, data):
+    """#29: rank_shares [3, 1] (rank 0 three records of each global batch of 4, rank 1 one) computes what
+    the single-host control computes, as even shares do: per-step losses and adapters to float error."""
+    tmp, out = runs
+    cfg = config(tmp, "shares", grad_average="tokens", rank_shares=[3, 1])
+    dual, control = tmp / "dual-shares", out["tokens"][1]
+    launch(*train_args(cfg, MODEL, data, dual))
+    for r, n in ((0, 3), (1, 1)):
+        assert json.loads((dual / "logs" / f"rank-{r}.joined.json").read_text())["rank_batch"] == n
+    a, b = step_losses(dual), step_losses(control)
+    assert sorted(a) == list(range(1, 7)) and max(rel(a[s], b[s]) for s in a) <= REL, (a, b)
+    assert adapter_rel(dual, control) <= ADAPTER_REL
+    even = step_losses(out["tokens"][0])  # the rank losses differ from the even split's: another split
+    rank0 = [float(x.split(" rank_loss ")[1].split()[0]) for x in (dual / "logs" / "rank-0.log").read_text()
+             .splitlines() if " iter 1 rank 0 " in x]
+    assert rank0 and rank0[0] != a[1] and even[1] == pytest.approx(a[1], rel=REL)
+    bad = config(tmp, "shares-mlx", grad_average="mlx_lm", rank_shares=[3, 1])
+    with pytest.raises(C.ConfigError, match=r"rank_shares \[3, 1\] needs `grad_average: tokens`"):
+        C.resolve(bad, {"model": "m", "data": "d"})
+    with pytest.raises(C.ConfigError, match=r"rank_shares \[3, 1\] is not one share per rank: the hostfile has 3"):
+        C.rank_batches(C.resolve(cfg, {"model": "m", "data": "d"}), 3)
+
+
 def test_resume_on_one_rank_follows_the_two_rank_run(runs, data):
     tmp, out = runs
     cfg, full, run_dir = tmp / "tokens.yaml", out["tokens"][0], tmp / "world-change"
