@@ -3,6 +3,7 @@ dataset's export command, replayed through bin/export.py)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -251,8 +252,9 @@ def test_the_controls_one_host_hostfile_parses_for_every_backend(tmp_path, monke
     ring = {"backend": "ring", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]}
     for data, host, want in ((JACCL, "", ("a", ["10.0.0.1"], [None])), (JACCL, "b", ("b", ["10.0.0.2"], [None])),
                              (JACCL, "mac9", ("mac9", [], [None])), (ring, "", ("a", ["10.0.0.1"], []))):
-        args = Namespace(run="r", hostfile="h.json", control_host=host)
+        args = Namespace(run="r", hostfile="h.json", control_host=host, rank_batches=[5, 3], rank_shares=[5, 3])
         dual, one = mod.control_setup(args, parse(data, "h.json"))
+        assert (args.rank_batches, args.rank_shares) == ([8], None)  # the control: one rank, the whole batch
         assert dual == {"RUN": "r", "HOSTFILE": "h.json", "CONTROL_HOST": host} and args.run == "r-control"
         assert one.size == 1 and one.backend == data["backend"] and one.envs == data.get("envs", [])
         assert (one.hosts[0].ssh, one.hosts[0].ips, one.hosts[0].rdma) == want
@@ -268,8 +270,35 @@ def test_a_fallback_drops_the_lost_hosts_rdma_columns_too(tmp_path, monkeypatch)
     monkeypatch.setattr(mod, "run_on", lambda host, argv, timeout: SimpleNamespace(ok=False))
     monkeypatch.setattr(mod.time, "sleep", lambda s: None)
     monkeypatch.setattr(mod.subprocess, "run", lambda argv, **kw: SimpleNamespace(returncode=0))
-    args = Namespace(run="r", hostfile="h.json", fallback=True, restarts=1, python="py", remote_root="/r")
+    args = Namespace(run="r", hostfile="h.json", fallback=True, restarts=1, python="py", remote_root="/r",
+                     rank_shares=[2, 1, 1], rank_batches=[4, 2, 2])
     swept = {"a": "clean", "b": "unreachable: x", "c": "clean"}  # the launch's sweep
     hf, rec, go = mod.recover(args, parse(JACCL, "h.json"), 1, swept)
     assert go and rec["fallback"]["lost"] == ["b"] and [h.ssh for h in hf.hosts] == ["a", "c"]
+    # #29: the hosts left keep their shares (2:1), re-normalized over the same global batch of 8
+    assert args.rank_shares == [2, 1] and rec["fallback"]["rank_batches"] == args.rank_batches == [5, 3]
     assert [h.rdma for h in hf.hosts] == [[None, "rdma_en4"], ["rdma_en4", None]] and hf.backend == "jaccl"
+
+
+def test_shares_that_do_not_fit_the_hostfile_are_refused_before_a_launch(tmp_path):
+    """#29: a rank_shares list of another length than the hostfile's ranks, or auto with no calibration of
+    these hosts, stops `make train` before anything starts on a host (no manifest, no launch log). The
+    hosts are names no calibration in runs/ has, and nothing reaches them."""
+    import json
+
+    from conftest import PY, ROOT, run
+
+    hostfile = tmp_path / "hostfile.json"
+    hostfile.write_text(json.dumps({"backend": "ring", "hosts": [{"ssh": "mac4-nowhere", "ips": ["10.9.0.1"]},
+                                                                 {"ssh": "mac5-nowhere", "ips": ["10.9.0.2"]}]}))
+    run_id = f"shares-refused-{os.getpid()}"
+    for shares, want in (("[2, 1, 1]", r"rank_shares \[2, 1, 1\] is not one share per rank: the hostfile has 2"),
+                         ("auto", r"rank_shares: auto, but runs/ has no calibration of these hosts \(mac4-nowhere, "
+                                  r"mac5-nowhere\) at batch_size 8: run `make calibrate` first")):
+        cfg = tmp_path / "shares.yaml"
+        cfg.write_text((ROOT / "configs" / "demo.yaml").read_text() + f"rank_shares: {shares}\n")
+        p = run([PY, "bin/run.py", "--stage", "train", "--run", run_id, "--hostfile", str(hostfile), "--config",
+                 str(cfg), "--model", "models/tiny-gemma4", "--dataset", "demo", "--remote-root", str(ROOT),
+                 "--python", PY], check=False)
+        assert p.returncode == 2 and re.search(want, p.stderr), p.stderr
+        assert not (ROOT / "runs" / run_id).exists(), "something was written before the refusal"
