@@ -44,6 +44,7 @@ from lib.remote import run_on  # noqa: E402
 
 ANCHOR, FORMAT, RESULT, MiB = "calibrate", "thunder-runbook/calibration", "calibrate-result ", 1 << 20
 SCRIPT, MEM_FRACTION = "bin/calibrate.py", 0.8  # a batch may peak at this share of the memory ceiling
+NOISE_FLOOR = 0.05  # ranks whose records/s differ by no more than this (or their own noise) share equally
 
 
 def memory_ceiling(mx) -> tuple[int | None, str]:
@@ -90,7 +91,8 @@ def measure_batch(st, b: int, steps: int, update: bool = True) -> dict:
             raise FloatingPointError(f"the loss is {loss.item()} at batch {b}")
     step_s, toks = statistics.median(times[1:]), int(toks.item())
     return {"batch": b, "tokens_per_step": toks, "step_s": round(step_s, 6),
-            "min_s": round(min(times[1:]), 6), "compile_s": round(times[0], 4),
+            "min_s": round(min(times[1:]), 6), "max_s": round(max(times[1:]), 6),
+            "compile_s": round(times[0], 4),
             "tok_per_s": round(toks / step_s, 3), "peak_mem_bytes": int(mx.get_peak_memory())}
 
 
@@ -159,7 +161,7 @@ def timed(mx, reps: int, fn, *args, warm: int = 1, **kw) -> list[float]:
 
 
 def rank_probe(spec: dict) -> dict | None:
-    """Every rank: the step at the per-rank batch with every rank computing, the gradient all-reduce,
+    """Every rank: the step at its own batch (its share) with every rank computing, the gradient all-reduce,
     then all_sum from min_bytes to max_bytes doubling (busbw = bytes / time x 2(N-1)/N)."""
     import ctypes
 
@@ -174,22 +176,24 @@ def rank_probe(spec: dict) -> dict | None:
     group = mx.distributed.init(strict=True)
     size, kept = group.size(), mx.distributed.all_min(mx.array([float(kept)]), stream=mx.cpu)
     out: dict = {"reuse_freed_memory": kept.item() == 1, "allsum": []}
-    if spec["per_rank_batch"]:
-        st = stepper(spec["cfg"])
-        row = measure_batch(st, spec["per_rank_batch"], spec["steps"])
-        local = measure_batch(st, spec["per_rank_batch"], spec["steps"], update=False)
+    if spec["rank_batches"]:
+        st, b = stepper(spec["cfg"]), spec["rank_batches"][group.rank()]
+        row = measure_batch(st, b, spec["steps"])
+        local = measure_batch(st, b, spec["steps"], update=False)
         grads = tree_map(mx.zeros_like, st.model.trainable_parameters())
         # train's all-reduce, timed once with no warm-up call: the steps above already ran it
         alone = timed(mx, 1, average_gradients, grads, warm=0, communication_stream=mx.cpu)[1]
-        each = mx.distributed.all_gather(mx.array([row["step_s"], row["min_s"], local["min_s"]]),
-                                         stream=mx.cpu).tolist()
-        out["concurrent"] = {"batch": row["batch"], "step_s": each[0::3],
-                             "tokens_per_step": row["tokens_per_step"]}
+        mine = [row["step_s"], row["min_s"], local["step_s"], local["min_s"], local["max_s"],
+                row["tokens_per_step"]]
+        each, k = mx.distributed.all_gather(mx.array(mine), stream=mx.cpu).tolist(), len(mine)
+        out["concurrent"] = {"batch": spec["rank_batches"], "step_s": each[0::k], "local_step_s": each[2::k],
+                             "local_min_s": each[3::k], "local_max_s": each[4::k],
+                             "tokens_per_step": [int(x) for x in each[5::k]]}
         # What the all-reduce costs a step: at least its time alone, more when the step minus the same step
         # without its update says so (TCP restarts slowly after each step's compute: 3.4 s alone, 5.2 s in
         # a step on a 300 kbit/s link). The time alone is the floor: a load spike on the step without its
         # update once made the difference 0.6 s for a 3.4 s all-reduce.
-        in_step = max(each[1::3]) - max(each[2::3])
+        in_step = max(each[1::k]) - max(each[3::k])
         out["grad_allreduce"] = {"bytes": st.trainable_bytes, "cost_s": max(alone, in_step), "alone_s": alone,
                                  "in_step_s": in_step}
         del st, grads
@@ -250,13 +254,14 @@ def recommend(cfg: dict, world: int, hosts: list[dict]) -> dict:
             + f" (largest batch measured within memory: {cap})"}
 
 
-def speedup_model(cfg: dict, world: int, hosts: list[dict], link: dict | None) -> dict:
+def speedup_model(cfg: dict, world: int, hosts: list[dict], link: dict | None,
+                  batches: list[int] | None) -> dict:
     """control = accum x t(rank 0's host alone, batch_size); dual = accum x t(slowest rank, every
-    rank computing, batch_size / world, the trainer's step with its all-reduce) - (accum - 1) x the
+    rank computing its share (batches), the trainer's step with its all-reduce) - (accum - 1) x the
     all-reduce (it runs once per optimizer step). Without the concurrent step: alone + all-reduce."""
-    accum, m = cfg["grad_accumulation_steps"], cfg["batch_size"] // world
+    accum = cfg["grad_accumulation_steps"]
     tc, how_c = step_time_at(hosts[0].get("sweep", []), cfg["batch_size"])
-    if tc is None or cfg["batch_size"] % world:
+    if tc is None or not batches:
         return {"unknown": f"batch_size {cfg['batch_size']} is not divisible by {world} ranks" if tc else
                 f"{hosts[0]['ssh']}: no compute measurement"}
     if world > 1 and not (link or {}).get("grad_allreduce"):
@@ -264,7 +269,7 @@ def speedup_model(cfg: dict, world: int, hosts: list[dict], link: dict | None) -
     t_g = link["grad_allreduce"]["cost_s"] if world > 1 else 0.0
     conc, per_host = (link or {}).get("concurrent", {}), {}
     for h in hosts:
-        c = conc.get(h["ssh"])
+        c, m = conc.get(h["ssh"]), max(batches[r] for r in h["ranks"])
         t, how = (c["step_s"], "measured with every rank computing") if c and c["batch"] == m else \
             step_time_at(h.get("sweep", []), m)
         if t is None:
@@ -273,11 +278,32 @@ def speedup_model(cfg: dict, world: int, hosts: list[dict], link: dict | None) -
     slowest = max(v[0] for v in per_host.values())
     t_g = min(t_g, slowest)  # noise aside, a step holds its whole all-reduce
     t_ctrl, t_dual = accum * tc, accum * slowest - (accum - 1) * t_g
-    return {"per_rank_batch": m, "control_batch": cfg["batch_size"], "grad_accumulation_steps": accum,
+    return {"rank_batches": batches, "control_batch": cfg["batch_size"], "grad_accumulation_steps": accum,
             "t_control_step_s": t_ctrl, "control_how": how_c,
             "t_dual_step_s": t_dual, "t_grad_allreduce_s": t_g,
             "dual_how": {k: v[1] for k, v in per_host.items()}, "expected_speedup": t_ctrl / t_dual,
             "compute_bound_speedup": t_ctrl / max(t_dual - t_g, 1e-9), "link_share": t_g / t_dual}
+
+
+def shares_rule(cfg: dict, link: dict | None) -> dict | None:
+    """rank_shares: auto's shares (and plan's workload_distribution): in proportion to each rank's records/s,
+    timed with every rank computing its share; equal when the ranks differ by no more than their own
+    step-to-step noise (the spread of a rank's step times over its median, at least NOISE_FLOOR)."""
+    ranks = (link or {}).get("ranks")
+    if not ranks:
+        return None
+    rates = [r["records_per_s"] for r in ranks]
+    spread, noise = max(rates) / min(rates) - 1, max(NOISE_FLOOR, *(r["noise"] for r in ranks))
+    seen = (f"records/s {' : '.join(f'{x:.3g}' for x in rates)} (ranks in hostfile order) differ by "
+            f"{spread:.0%}, the step-to-step noise is {noise:.0%}")
+    if spread <= noise:
+        return {"shares": [1] * len(ranks), "rule": "equal", "why": f"{seen}: equal shares",
+                "records_per_s": rates, "noise": noise}
+    shares = C.rank_batches({"batch_size": cfg["batch_size"], "rank_shares": rates}, len(ranks))
+    even = [cfg["batch_size"] / len(rates)] * len(rates)
+    step = [max(b / r for b, r in zip(split, rates, strict=True)) for split in (even, shares)]
+    return {"shares": shares, "rule": "proportional", "why": f"{seen}: shares in proportion to records/s",
+            "records_per_s": rates, "noise": noise, "predicted_compute_gain": step[0] / step[1]}
 
 
 # ---- the orchestrator ------------------------------------------------------------------------
@@ -326,9 +352,9 @@ def phase_compute(args, hf, cfg: dict, probe_id: str, hosts: list[dict]) -> None
                            f"run `make sync` and `make check-parity HOSTFILE={args.hostfile}` first"))
 
 
-def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -> dict:
+def phase_link(args, hf, cfg: dict, probe_id: str, batches: list[int] | None) -> dict:
     spec = {"probe_id": probe_id, "cfg": cfg, "steps": args.steps, "min_bytes": args.min_bytes,
-            "max_bytes": args.max_bytes, "per_rank_batch": per_rank_batch}
+            "max_bytes": args.max_bytes, "rank_batches": batches}
     port = args.port
     if port is None and all(h.ssh == "127.0.0.1" for h in hf.hosts):  # ranks here: ports nobody else uses
         with socket.create_server(("127.0.0.1", 0)) as s:
@@ -336,7 +362,7 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
     argv = launch.launch_argv(args.hostfile, hf, args.python, args.remote_root,
                               ["--rank-probe", json.dumps(spec)], port, script=SCRIPT)
     event("calibrate-phase", phase="link", world_size=hf.size, backend=hf.backend or "ring",
-          per_rank_batch=per_rank_batch or "-", max_bytes=args.max_bytes)
+          rank_batches=json.dumps(batches) if batches else "-", max_bytes=args.max_bytes)
     res = run_probe(argv, args.timeout_s, "the link probe failed", f"check `make check-parity HOSTFILE="
                     f"{args.hostfile}` (ssh, interpreter, code on every host) and the ring ports", PARITY)
     rows = res.pop("allsum")
@@ -345,11 +371,16 @@ def phase_link(args, hf, cfg: dict, probe_id: str, per_rank_batch: int | None) -
     link = {"backend": hf.backend or "ring", "world_size": hf.size, "allreduce": rows, **res,
             "bandwidth_gbps": {"bytes": top["bytes"], "busbw_mean": top["busbw_gbps"],
                                "busbw_best": top["best_busbw_gbps"]}}
-    if c := res.get("concurrent"):  # per host, its slowest rank
-        ranks = list(zip(hf.hosts, c["step_s"], strict=True))
-        slowest = {s: max(t for h, t in ranks if h.ssh == s) for s in hf.unique_ssh()}
-        link["concurrent"] = {h: {"batch": c["batch"], "step_s": t, "tok_per_s": c["tokens_per_step"] / t}
-                              for h, t in slowest.items()}
+    if c := res.get("concurrent"):  # per rank (its compute alone: local_step_s), then per host its slowest
+        link["ranks"] = [{"rank": i, "ssh": h.ssh, "batch": b, "step_s": t, "tokens_per_step": n,
+                          "local_step_s": lt, "records_per_s": b / lt, "noise": (hi - lo) / lt}
+                         for i, (h, b, t, lt, lo, hi, n) in enumerate(zip(
+                             hf.hosts, c["batch"], c["step_s"], c["local_step_s"], c["local_min_s"],
+                             c["local_max_s"], c["tokens_per_step"], strict=True))]
+        slowest = {s: max((r for r in link["ranks"] if r["ssh"] == s), key=lambda r: r["step_s"])
+                   for s in hf.unique_ssh()}
+        link["concurrent"] = {s: {"batch": r["batch"], "step_s": r["step_s"], "tok_per_s":
+                                  r["tokens_per_step"] / r["step_s"]} for s, r in slowest.items()}
     return link
 
 
@@ -362,13 +393,15 @@ def measure(args, hf, cfg: dict, probe_id: str) -> dict:
     per_rank = None if args.skip_compute or cfg["batch_size"] % hf.size else cfg["batch_size"] // hf.size
     if per_rank and rec.get("fits_memory_cap_kind") == "measured" and per_rank > rec["fits_memory_cap"]:
         per_rank = rec["per_rank_batch"]  # the configured split does not fit: time the one that does
-    link = phase_link(args, hf, cfg, probe_id, per_rank) if hf.size > 1 else None
-    sp, boots = speedup_model(cfg, hf.size, hosts, link), {}
+    listed = isinstance(cfg["rank_shares"], list) and hf.size > 1 and not args.skip_compute
+    batches = C.rank_batches(cfg, hf.size) if listed else [per_rank] * hf.size if per_rank else None
+    link = phase_link(args, hf, cfg, probe_id, batches) if hf.size > 1 else None
+    sp, boots = speedup_model(cfg, hf.size, hosts, link, batches), {}
     for h in hosts:
         boots.setdefault((h.get("facts") or {}).get("boot_id") or h["ssh"], []).append(h["ssh"])
     return {"hosts": hosts, "shared_machine": [v for v in boots.values() if len(v) > 1], "link": link,
             **{k: hosts[0].get(k) for k in ("trainable_params", "trainable_bytes")}, "recommendation": rec,
-            "speedup": sp,
+            "speedup": sp, "rank_shares": shares_rule(cfg, link),
             **{k: sp.get(k) for k in ("expected_speedup", "compute_bound_speedup", "link_share")}}
 
 
@@ -413,7 +446,8 @@ def orchestrate(args) -> int:
     print("recommendation: " + (rec.get("error") or f"per-rank batch {rec['per_rank_batch']} x accumulation "
                                 f"{rec['grad_accumulation_steps']}: {rec['why']}"), flush=True)
     event("calibrate-done", file=paths.rel(path), wall_s=doc["wall_s"],
-          expected_speedup=doc["expected_speedup"] or json.dumps(doc["speedup"]["unknown"]))
+          expected_speedup=doc["expected_speedup"] or json.dumps(doc["speedup"]["unknown"]),
+          rank_shares=json.dumps((doc["rank_shares"] or {}).get("shares")))
     return 0
 
 

@@ -185,8 +185,9 @@ def launch_sections(c) -> dict:
     facts = [h.get("facts") or {} for h in c.cal.get("hosts", [])]
     envs = {"MLX_RANK": "set per rank by mlx.launch", "MLX_HOSTFILE": "set by mlx.launch"} | dict(
         e.partition("=")[::2] for e in c.hf.envs)
-    targs = launch.trainer_args(types.SimpleNamespace(model=c.args.model, dataset=c.args.dataset, seed=None),
-                                f"runs/{c.args.run}", c.args.config)
+    shares = c.cfg["rank_shares"] if isinstance(c.cfg["rank_shares"], list) and c.world > 1 else None
+    ns = types.SimpleNamespace(model=c.args.model, dataset=c.args.dataset, seed=None, rank_shares=shares)
+    targs = launch.trainer_args(ns, f"runs/{c.args.run}", c.args.config)
     jaccl, ring = c.backend.startswith("jaccl"), "the hostfile's backend is ring"
     smoke = c.smoke if c.smoke.get("ok") and len(c.smoke.get("launches", [])) >= 2 else None
     return {"distributed_config": {
@@ -214,6 +215,23 @@ def launch_sections(c) -> dict:
             f"no passing smoke for run {c.args.run} (smoke.json missing or not ok): run `{c.cmd['smoke']}`")}}
 
 
+def workload(c) -> dict:
+    """Each host's part of the global batch by the calibration's shares rule (lib: bin/calibrate.py
+    shares_rule: in proportion to measured records/s, or equal within the noise), and what CONFIG does."""
+    rule = (c.cal or {}).get("rank_shares") or {}
+    if not rule:
+        why = c.cal_why or f"{c.cal['file']} has no rank_shares (one rank, or --skip-compute)"
+        return {k: unknown(why) for k in ("workload_distribution", "workload_rule", "workload_why")}
+    n = C.rank_batches({"batch_size": c.cfg["batch_size"], "rank_shares": rule["shares"]}, c.world)
+    shares = c.cfg["rank_shares"]
+    runs = ("the run takes these (rank_shares: auto)" if shares == "auto" else
+            f"the run takes its own rank_shares {shares}" if shares else
+            "the run splits evenly: set `rank_shares: auto` to take these")
+    return {"workload_distribution": {h: sum(b for x, b in zip(c.hf.hosts, n, strict=True) if x.ssh == h) /
+                                      sum(n) for h in c.nodes},
+            "workload_rule": rule["rule"], "workload_why": f"{rule['why']}; {c.args.config}: {runs}"}
+
+
 def host_sections(c) -> dict:
     cal, p, s = c.cal, c.parity, c.sync
     fit = {h["ssh"]: [r for r in h.get("sweep", []) if r["batch"] <= (c.per_rank or 0)]
@@ -234,7 +252,7 @@ def host_sections(c) -> dict:
                                      "tok_per_s_every_rank": conc.get(h, {}).get("tok_per_s")}
                                  for h, rows in fit.items() if rows for r in rows[-1:]}
         or unknown(c.cal_why or f"no sweep row at or below batch {c.per_rank}"),
-        "workload_distribution": {h: n / c.world for h, n in c.nodes.items()},
+        **workload(c),
         "macos_qos_api": "not set: the trainer runs at the default QoS class",
         "calibration_notes": "; ".join(notes + [f"link share {cal.get('link_share')}, shared machine "
                                                 f"{cal.get('shared_machine')}"]) if cal else

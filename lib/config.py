@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from lib.log import STABILITY, RunbookError, anchor_of
+from lib.log import STABILITY, RunbookError, anchor_of, event
 
 # SafeLoader with mlx_lm/lora.py's float resolver: `1e-5` and `.5` are floats, as in YAML 1.2.
 _Loader = type("_Loader", (yaml.SafeLoader,), {})
@@ -218,6 +218,22 @@ def rank_batches(cfg: dict, world_size: int) -> list[int]:
                 key=lambda j: (exact[j] - n[j]) * (1 if sum(n) < bs else -1))
         n[i] += 1 if sum(n) < bs else -1
     return n
+
+
+def calibrated_shares(hosts: list[str], cfg: dict, config: str) -> list[int]:
+    """rank_shares: auto: the newest calibration's shares for these hosts (in this order) at this batch."""
+    from lib import paths
+
+    for path in sorted(paths.RUNS.glob("calibration-*.json"), reverse=True):
+        doc = paths.read_json(path)
+        if [h["ssh"] for h in doc.get("hostfile", {}).get("hosts", [])] == hosts and \
+                doc.get("config", {}).get("batch_size") == cfg["batch_size"] and doc.get("rank_shares"):
+            event("rank-shares", calibration=paths.rel(path), shares=json.dumps(doc["rank_shares"]["shares"]),
+                  rule=doc["rank_shares"]["rule"])
+            return doc["rank_shares"]["shares"]
+    raise ConfigError(f"{config}: rank_shares: auto, but runs/ has no calibration of these hosts "
+                      f"({', '.join(hosts)}) at batch_size {cfg['batch_size']}: run `make calibrate` first, "
+                      "or write the shares")
 
 
 def check_world(cfg: dict, world_size: int) -> None:  # batch_size is the global batch, as in mlx-lm

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lib import atomic, jsonl, paths, supervisor
-from lib.config import ConfigError, fallback_ladder, load_config, rank_batches, set_flag
+from lib.config import calibrated_shares, fallback_ladder, load_config, rank_batches, set_flag
 from lib.hashing import digest_of, iter_files, sha256_file, tree_hashes
 from lib.hostfile import Hostfile, is_local
 from lib.hostfile import load as load_hostfile
@@ -286,25 +286,11 @@ def load_inputs(args, stage: str):
     hf, cfg = load_hostfile(args.hostfile), load_config(args.config)
     args.watchdog = cfg.get("watchdog_s") if args.watchdog is None else args.watchdog
     if cfg["rank_shares"] == "auto" and hf.size > 1:
-        cfg["rank_shares"] = calibrated_shares(hf, cfg, args.config)
+        cfg["rank_shares"] = calibrated_shares([h.ssh for h in hf.hosts], cfg, args.config)
     args.rank_batches = rank_batches(cfg, hf.size)  # refused here, before a launch, when they do not fit
     args.rank_shares = cfg["rank_shares"] if hf.size > 1 and len(set(args.rank_batches)) > 1 else None
     supervisor.hold(args, stage)
     return hf, cfg
-
-
-def calibrated_shares(hf: Hostfile, cfg: dict, config: str) -> list[int]:
-    """rank_shares: auto: the newest calibration's shares for these hosts (in this order) at this batch."""
-    for path in sorted(paths.RUNS.glob("calibration-*.json"), reverse=True):
-        doc = paths.read_json(path)
-        if [h["ssh"] for h in doc.get("hostfile", {}).get("hosts", [])] == [h.ssh for h in hf.hosts] and \
-                doc.get("config", {}).get("batch_size") == cfg["batch_size"] and doc.get("rank_shares"):
-            event("rank-shares", calibration=paths.rel(path), shares=json.dumps(doc["rank_shares"]["shares"]),
-                  rule=doc["rank_shares"]["rule"])
-            return doc["rank_shares"]["shares"]
-    raise ConfigError(f"{config}: rank_shares: auto, but runs/ has no calibration of these hosts "
-                      f"({', '.join(h.ssh for h in hf.hosts)}) at batch_size {cfg['batch_size']}: run "
-                      "`make calibrate` first, or write the shares")
 
 
 def variables(args, stage: str, **extra) -> dict:

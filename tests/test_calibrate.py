@@ -48,8 +48,8 @@ def test_step_time_at_and_max_fitting_batch():
     assert cal.max_fitting_batch({"sweep": []})[0] is None
 
 
-def host(ssh, sweep, stop="memory"):
-    return {"ssh": ssh, "sweep": sweep, "stopped": {"reason": stop}}
+def host(ssh, sweep, stop="memory", ranks=None):
+    return {"ssh": ssh, "sweep": sweep, "stopped": {"reason": stop}, "ranks": ranks or [int(ssh[-1]) - 4]}
 
 
 def test_recommend_keeps_the_global_batch_and_accumulates_when_it_does_not_fit():
@@ -75,26 +75,54 @@ def test_speedup_model_arithmetic():
     cfg = {"batch_size": 8, "grad_accumulation_steps": 1}
     hosts = [host("mac4", rows((4, 1.0), (8, 2.0))), host("mac5", rows((4, 1.2), (8, 2.4)))]
     link = {"grad_allreduce": {"cost_s": 0.1}, "allreduce": [{"bytes": 4096, "mean_s": 1e-4}]}
-    out = cal.speedup_model(cfg, 2, hosts, link)
+    out = cal.speedup_model(cfg, 2, hosts, link, [4, 4])
     assert out["t_control_step_s"] == 2.0 and out["t_dual_step_s"] == pytest.approx(1.3)  # mac5 + the all-reduce
     assert out["expected_speedup"] == pytest.approx(2.0 / 1.3)
     assert out["compute_bound_speedup"] == pytest.approx(2.0 / 1.2)
     assert out["link_share"] == pytest.approx(0.1 / 1.3) and "alone" not in out["dual_how"]["mac5"]
     link["concurrent"] = {"mac4": {"batch": 4, "step_s": 1.9}, "mac5": {"batch": 4, "step_s": 2.1}}
-    out = cal.speedup_model(cfg, 2, hosts, link)  # ranks sharing a machine: the concurrent time counts
+    out = cal.speedup_model(cfg, 2, hosts, link, [4, 4])  # ranks sharing a machine: the concurrent time counts
     assert out["t_dual_step_s"] == 2.1 and out["expected_speedup"] < 1
     assert out["dual_how"]["mac4"] == "measured with every rank computing"
-    out = cal.speedup_model(dict(cfg, grad_accumulation_steps=2), 2, hosts, link)  # one all-reduce per update
+    out = cal.speedup_model(dict(cfg, grad_accumulation_steps=2), 2, hosts, link, [4, 4])  # one all-reduce per update
     assert out["t_control_step_s"] == 4.0 and out["t_dual_step_s"] == pytest.approx(2 * 2.1 - 0.1)
-    assert "no gradient all-reduce" in cal.speedup_model(cfg, 2, hosts, None)["unknown"]
-    assert "not divisible by 3 ranks" in cal.speedup_model(cfg, 3, hosts, link)["unknown"]
-    one = cal.speedup_model(cfg, 1, hosts[:1], None)
+    assert "no gradient all-reduce" in cal.speedup_model(cfg, 2, hosts, None, [4, 4])["unknown"]
+    assert "not divisible by 3 ranks" in cal.speedup_model(cfg, 3, hosts, link, None)["unknown"]
+    one = cal.speedup_model(cfg, 1, hosts[:1], None, [8])
     assert one["expected_speedup"] == 1.0 and one["link_share"] == 0.0
     # An all-reduce timed alone in a load spike (2.5 s) over the concurrent step that holds it (2.1 s): at
     # most that step (it failed CI twice as link_share 1.01 and 1.26).
     link["grad_allreduce"]["cost_s"] = 2.5
-    out = cal.speedup_model(cfg, 2, hosts, link)
+    out = cal.speedup_model(cfg, 2, hosts, link, [4, 4])
     assert out["t_grad_allreduce_s"] == 2.1 and out["link_share"] == 1.0, out
+    # Shares [6, 2]: each host at its own batch, from its sweep where the concurrent step timed another.
+    link["grad_allreduce"]["cost_s"] = 0.1
+    out = cal.speedup_model(cfg, 2, hosts, link, [6, 2])
+    assert out["t_dual_step_s"] == pytest.approx(1.5 + 0.1) and out["rank_batches"] == [6, 2]
+    assert out["dual_how"] == {"mac4": "interpolated", "mac5": "extrapolated"}, out
+
+
+def rank(batch, local_s, lo, hi, ssh="mac4"):
+    return {"ssh": ssh, "batch": batch, "local_step_s": local_s, "records_per_s": batch / local_s,
+            "noise": (hi - lo) / local_s}
+
+
+def test_shares_follow_measured_speed_beyond_the_noise():
+    """Equal hosts (3% apart) share equally; one at half speed gets a third of the batch, and the
+    predicted compute gain is even's slowest rank over the shares' (1.5x: 2 s for 6 records at
+    3/s, 1.33 s for 8 at 6/s and 4 at 3/s); a host whose own
+    steps vary by 60% is not told apart from one 50% slower."""
+    cfg = {"batch_size": 12}
+    same = cal.shares_rule(cfg, {"ranks": [rank(6, 1.0, 0.99, 1.01), rank(6, 1.03, 1.02, 1.04)]})
+    assert same["shares"] == [1, 1] and same["rule"] == "equal" and "3%" in same["why"], same
+    half = cal.shares_rule(cfg, {"ranks": [rank(6, 1.0, 0.99, 1.01), rank(6, 2.0, 1.98, 2.02)]})
+    assert half["shares"] == [8, 4] and half["rule"] == "proportional", half
+    assert half["predicted_compute_gain"] == pytest.approx(1.5) and "100%" in half["why"]
+    noisy = cal.shares_rule(cfg, {"ranks": [rank(6, 1.0, 0.7, 1.3), rank(6, 1.5, 1.45, 1.55)]})
+    assert noisy["rule"] == "equal" and noisy["noise"] == pytest.approx(0.6), noisy
+    three = cal.shares_rule({"batch_size": 8}, {"ranks": [rank(2, 1.0, 1, 1)] * 2 + [rank(4, 1.0, 1, 1)]})
+    assert three["shares"] == [2, 2, 4] and three["rule"] == "proportional"
+    assert cal.shares_rule(cfg, None) is None and cal.shares_rule(cfg, {"ranks": []}) is None
 
 
 # ---- the compute sweep on the real model and the trainer's step ---------------------------------
@@ -223,6 +251,12 @@ def test_make_calibrate_on_two_fabric_hosts(fabric, model, tmp_path):
     assert sizes[0] == 4096 and sizes[-1] == MiB and sizes == sorted(sizes)
     assert all(r["mean_s"] >= r["min_s"] > 0 for r in link["allreduce"])
     assert set(link["concurrent"]) == {"fab1", "fab2"} and link["reuse_freed_memory"] is True
+    # each rank timed at its share (smoke.yaml: 6 records, even), and the shares rule applied to them
+    assert [(r["ssh"], r["batch"]) for r in link["ranks"]] == [("fab1", 3), ("fab2", 3)], link["ranks"]
+    assert all(r["records_per_s"] > 0 and r["noise"] >= 0 for r in link["ranks"])
+    shares = doc["rank_shares"]
+    assert shares["rule"] in ("equal", "proportional") and len(shares["shares"]) == 2, shares
+    assert shares["shares"] == [1, 1] if shares["rule"] == "equal" else sum(shares["shares"]) == 6, shares
     g = link["grad_allreduce"]
     assert g["bytes"] == doc["trainable_bytes"] > 0 and g["cost_s"] == max(g["alone_s"], g["in_step_s"]) > 0
     print(f"load {doc['loadavg']['start']}: all_sum best busbw {link['bandwidth_gbps']['busbw_best']:.3f} GB/s")

@@ -8,6 +8,8 @@ import re
 import shlex
 import subprocess
 
+import pytest
+
 from lib import launch, supervisor
 from lib.hostfile import parse
 
@@ -302,3 +304,27 @@ def test_shares_that_do_not_fit_the_hostfile_are_refused_before_a_launch(tmp_pat
                  "--python", PY], check=False)
         assert p.returncode == 2 and re.search(want, p.stderr), p.stderr
         assert not (ROOT / "runs" / run_id).exists(), "something was written before the refusal"
+
+
+def test_auto_shares_come_from_the_newest_calibration_of_these_hosts_at_this_batch(tmp_path, monkeypatch):
+    """#29: rank_shares: auto takes the shares of the newest calibration whose hosts (in rank order) and
+    batch_size are the run's; a newer one of other hosts, or of another batch, is not it."""
+    import json
+
+    from lib import config as C
+    from lib import paths
+
+    def cal(name, hosts, batch, shares):
+        doc = {"hostfile": {"hosts": [{"ssh": h} for h in hosts]}, "config": {"batch_size": batch},
+               "rank_shares": {"shares": shares, "rule": "proportional"}}
+        (tmp_path / f"calibration-{name}.json").write_text(json.dumps(doc))
+
+    monkeypatch.setattr(paths, "RUNS", tmp_path)
+    cal("20261201T000000Z", ["mac4", "mac5"], 8, [5, 3])
+    cal("20261202T000000Z", ["mac4", "mac5"], 8, [3, 1])
+    cal("20261203T000000Z", ["mac5", "mac4"], 8, [1, 3])  # the same Macs, other ranks
+    cal("20261204T000000Z", ["mac4", "mac5"], 16, [9, 7])  # another batch
+    assert C.calibrated_shares(["mac4", "mac5"], {"batch_size": 8}, "c.yaml") == [3, 1]
+    with pytest.raises(C.ConfigError, match=r"c.yaml: rank_shares: auto, but runs/ has no calibration of these "
+                                            r"hosts \(mac4, mac6\) at batch_size 8"):
+        C.calibrated_shares(["mac4", "mac6"], {"batch_size": 8}, "c.yaml")

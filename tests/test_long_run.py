@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.fabric, pytest.mark.slow]
 DATASET, MODEL, SMOKED = "domain_sft_v1_high_signal_thunder", "models/tiny-gemma4-released", "fab-long-smoke"
 HOSTS = ["fab1", "fab2"]
 STATUS_KEYS = {"run", "stage", "running", "reachable", "step", "iters", "eta_s", "train_loss", "loss_trend",
-               "last_val", "ranks", "latest_checkpoint", "failures", "verdict", "status", "why", "supervisor"}
+               "last_val", "ranks", "latest_checkpoint", "failures", "verdict", "status", "why", "supervisor",
+               "tracking"}
 
 
 def fmake(fabric, *args, **kw):

@@ -62,7 +62,8 @@ SCHEMA = {
     "verification_steps": ["str", 3],
     "pre_rdma_sync": {"sync_script": "str", "command": "str", "validation_checks": ["str", 1], "block_on_failure": "bool",
                       "sync_status": M("=success|failed"), "sync_output": M("str")},
-    "hardware_calibration": {"measured_performance": M("map"), "workload_distribution": "map", "macos_qos_api": "str",
+    "hardware_calibration": {"measured_performance": M("map"), "workload_distribution": M("map"),
+                             "workload_rule": M("=proportional|equal"), "workload_why": M("str"), "macos_qos_api": "str",
                              "calibration_notes": M("str"), "calibration_file": M("str")},
     "worker_consistency": {"validation_checks": ["str", 1], "script_hash": "str",
                            "is_consistent": M("bool"), "consistency_threshold": "num>=0",
@@ -164,6 +165,8 @@ def test_plan_from_measured_inputs(runs_dir):
     hc = doc["hardware_calibration"]
     assert hc["calibration_file"].endswith(sorted(runs_dir.glob("calibration-*.json"))[-1].name)
     assert set(hc["measured_performance"]) == {"127.0.0.1"} and hc["workload_distribution"] == {"127.0.0.1": 1.0}
+    assert hc["workload_rule"] == cal["rank_shares"]["rule"] and cal["rank_shares"]["why"] in hc["workload_why"]
+    assert "the run splits evenly: set `rank_shares: auto`" in hc["workload_why"], hc  # smoke.yaml sets none
     assert doc["distributed_config"]["mlx_launch_command"].startswith(str(ROOT / ".venv" / "bin" / "mlx.launch"))
     assert doc["distributed_config"]["unified_memory"] is False  # Linux x86_64: measured, not assumed
     assert doc["rdma_config"]["enabled"] is False
@@ -285,3 +288,29 @@ def test_make_plan(runs_dir):
     finally:
         for f in new:
             f.unlink()
+
+
+def test_workload_follows_the_calibrations_shares_rule():
+    """#29: two Macs, one measured at half the other's records/s: the plan gives it a third of the batch,
+    says the rule and why, and says what CONFIG makes of it; equal shares give 1/N; no shares rule in the
+    calibration is an explicit unknown."""
+    import types
+
+    from lib.hostfile import parse
+
+    hf = parse({"backend": "ring", "hosts": [{"ssh": "mac4", "ips": ["10.0.0.4"]}, {"ssh": "mac5", "ips": ["10.0.0.5"]}]})
+    rule = {"shares": [4, 2], "rule": "proportional", "why": "records/s 6 : 3 differ by 100%"}
+    c = types.SimpleNamespace(hf=hf, world=2, nodes={"mac4": 1, "mac5": 1}, cal={"file": "cal.json", "rank_shares":
+                              rule}, cal_why=None, cfg={"batch_size": 6, "rank_shares": "auto"},
+                              args=types.SimpleNamespace(config="configs/stage1.yaml"))
+    w = plan_mod.workload(c)
+    assert w["workload_distribution"] == pytest.approx({"mac4": 2 / 3, "mac5": 1 / 3}) and w["workload_rule"] == \
+        "proportional" and w["workload_why"] == "records/s 6 : 3 differ by 100%; configs/stage1.yaml: the run " \
+        "takes these (rank_shares: auto)", w
+    c.cfg["rank_shares"], c.cal["rank_shares"] = [5, 3], dict(rule, shares=[1, 1], rule="equal")
+    w = plan_mod.workload(c)
+    assert w["workload_distribution"] == {"mac4": 0.5, "mac5": 0.5} and w["workload_rule"] == "equal"
+    assert w["workload_why"].endswith("the run takes its own rank_shares [5, 3]")
+    del c.cal["rank_shares"]
+    assert plan_mod.workload(c)["workload_rule"] == {"value": None, "unknown": "cal.json has no rank_shares (one "
+                                                                               "rank, or --skip-compute)"}

