@@ -98,7 +98,7 @@ def run_facts(role: str, run_id: str) -> dict:
     return {
         "role": role, "run": run_id, "ok": bool(summary.get("ok")), "why": summary.get("why") or "",
         **{k: summary.get(k) for k in ("category", "fallback", "best_adapter", "final_step", "world_size",
-                                       "rank_batches")},
+                                       "rank_batches", "tracking")},  # tracking: W&B's mode, id, url, folder
         **{k: man.get(k) for k in ("hostfile_path", "lock_sha256", "dataset", "dataset_sha256", "model",
                                    "model_sha256")},
         "hosts": [h.get("ssh") for h in hostfile.get("hosts", [])], "hostfile": hostfile,
@@ -109,7 +109,6 @@ def run_facts(role: str, run_id: str) -> dict:
         "adapter": paths.rel(adapter) if (adapter / "adapters.safetensors").is_file() else None,
         "stage_wall_s": finite(summary.get("wall_s")), "metrics": mets, "tok_per_s": finite(throughput(mets)),
         "checkpoints_written": sum(m.get("kind") == "checkpoint" for m in mets),
-        "tracking": summary.get("tracking"),  # W&B's mode, run id, url, folder; None: not tracked
         "reproduce": {b.split(" ", 1)[0]: "# --- stage: " + b.strip() for b in sections},
     }
 
@@ -199,7 +198,7 @@ def decide(dual: dict, control: dict, losses: dict, problems: list, tolerance: f
         v["reasons"].append(f"the dual test loss {dl:.4f} is {100 * rel:+.2f}% against the control's "
                             f"{cl:.4f} (tolerance {100 * tolerance:g}%)")
     if not v["faster"]:
-        v["link_bound"], why = link_call(calibration)
+        v["link_bound"], why = link_call(calibration, dual.get("rank_batches"))
         fb = f"; FALLBACK=1: it ran on {fb['hosts']} only" if (fb := dual.get("fallback")) else ""
         v["reasons"].append(f"the dual run was not faster: {dt:.1f} vs {ct:.1f} tok/s "
                             f"(speedup {speedup:.2f}x{need}); {why}{fb}")
@@ -214,16 +213,20 @@ def decide(dual: dict, control: dict, losses: dict, problems: list, tolerance: f
     return v
 
 
-def link_call(cal: dict | None) -> tuple[bool | None, str]:
-    """Link-bound when calibrate measured the all-reduce at LINK_BOUND_SHARE or more of a dual step."""
+def link_call(cal: dict | None, batches: list[int] | None = None) -> tuple[bool | None, str]:
+    """Link-bound: the all-reduce at LINK_BOUND_SHARE or more of a dual step; else a slow Mac, and its fix."""
     if not cal:
         return None, "no calibration (hosts, model) tells a slow link from a slow Mac: run `make calibrate`"
     share, e, f = cal["link_share"], cal["expected_speedup"], cal["file"]
     if share >= LINK_BOUND_SHARE:
         return True, (f"link-bound: calibrate ({f}) measured the gradient all-reduce at {100 * share:.0f}% "
                       f"of a dual step and predicted {e:.2f}x: the Thunder path is the bottleneck")
+    rule = cal.get("rank_shares") or {}
+    unequal = rule.get("rule") == "proportional" and len(set(batches or [0])) == 1  # yet the run split evenly
+    fix = f"calibrate found the Macs unequal ({rule['why']}): set `rank_shares: auto`" if unequal else \
+        "`make calibrate`"
     return False, (f"not the link: calibrate ({f}) predicted {e:.2f}x, all-reduce {100 * share:.0f}% of a "
-                   "dual step: a Mac computed slower than calibrated (or the link changed): `make calibrate`")
+                   f"dual step: a Mac computed slower than calibrated (or the link changed): {fix}")
 
 
 def calibration_of(dual: dict) -> dict | None:
@@ -232,7 +235,8 @@ def calibration_of(dual: dict) -> dict | None:
         sp = cal.get("speedup") or {}
         hosts = [h.get("ssh") for h in (cal.get("hostfile") or {}).get("hosts", [])]
         if hosts == dual["hosts"] and cal.get("model") == dual["model"] and "link_share" in sp:
-            return {"file": paths.rel(path), **{k: sp[k] for k in ("expected_speedup", "link_share")}}
+            return {"file": paths.rel(path), "rank_shares": cal.get("rank_shares"),
+                    **{k: sp[k] for k in ("expected_speedup", "link_share")}}
     return None
 
 

@@ -224,6 +224,16 @@ def test_a_slow_dual_run_is_called_link_bound_or_not_from_the_calibration(tmp_pa
     cal("20261124T040000", ["mac4", "mac5"], 0.1)  # the link measured fast: a Mac was slow
     v = compare.decide(*slow, calibration=compare.calibration_of(dual))
     assert v["link_bound"] is False and "not the link" in v["reasons"][-1] and "1.70x" in v["reasons"][-1]
+    assert "rank_shares" not in v["reasons"][-1]  # this calibration found no unequal Macs
+    # #29: calibrate found mac5 at half mac4's speed, the run split evenly: the fix is the shares
+    doc = json.loads((tmp_path / "calibration-20261124T040000.json").read_text())
+    doc["rank_shares"] = {"shares": [2, 1], "rule": "proportional", "why": "records/s 6 : 3 differ by 100%"}
+    (tmp_path / "calibration-20261124T040000.json").write_text(json.dumps(doc))
+    v = compare.decide(dict(dual, rank_batches=[4, 4]), *slow[1:], calibration=compare.calibration_of(dual))
+    assert v["link_bound"] is False and v["reasons"][-1].endswith(
+        "calibrate found the Macs unequal (records/s 6 : 3 differ by 100%): set `rank_shares: auto`"), v
+    v = compare.decide(dict(dual, rank_batches=[5, 3]), *slow[1:], calibration=compare.calibration_of(dual))
+    assert "rank_shares" not in v["reasons"][-1]  # it had its shares: a Mac was slower than calibrated
     # A run that was fast enough is never called anything.
     assert compare.decide(dict(dual, tok_per_s=1800), *slow[1:], calibration=found)["link_bound"] is None
 
