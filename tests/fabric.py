@@ -57,7 +57,8 @@ Fault actions (also a Python API, `Fabric`): sshd-stop, sshd-start, link-cut,
 link-throttle (--rate, tc tbf), link-restore, freeze, thaw, kill (processes matching --pattern on HOST),
 disk (a tmpfs REMOTE_ROOT of --size), disk-restore, shadow (HOST's python sees
 --package at --version), python-hide (the venv is absent on HOST),
-python-restore, restore-all.
+python-restore, cpu-slow (HOST's new processes get --quota of a core: a slower
+Mac), cpu-restore, restore-all.
 
 Settings (flags, else environment, else defaults): --dir/FABRIC_DIR
 (runs/fabric), --prefix/FABRIC_PREFIX (link names, thfab), --subnet/
@@ -67,7 +68,9 @@ FABRIC_SUBNET (10.213.7.0/24, or "auto": the first free 10.213.X.0/24, X >= 8).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
+import hashlib
 import ipaddress
 import json
 import os
@@ -456,6 +459,9 @@ def teardown(sp: Spec, st: dict) -> dict:
                 os.kill(h[key]["pid"], signal.SIGKILL)
                 killed.add(h[key]["pid"])
         killed |= kill_netns(ns)
+    for f in st.get("faults", {}).values():  # a host made slow: its cgroup, now empty
+        if f.get("cpu"):
+            release_cgroup(Path(f["cpu"]["cgroup"]))
     return {"processes": len(killed), "links": n_link}
 
 
@@ -785,6 +791,24 @@ def login_bashrc() -> str | None:
     return rc if os.path.isfile(rc) and not os.path.islink(rc) else None
 
 
+def cpu_cgroup() -> tuple[Path, bool] | None:
+    """(the cgroup root that limits CPU time, whether it is v2), or None: no such controller writable here."""
+    v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
+    with contextlib.suppress(OSError):
+        if "cpu" in (v2 / "cgroup.controllers").read_text().split() and os.access(v2, os.W_OK):
+            return v2, True
+    return (v1, False) if (v1 / "cpu.cfs_quota_us").is_file() and os.access(v1, os.W_OK) else None
+
+
+def release_cgroup(group: Path) -> None:
+    """Move what is left in a fault's cgroup to its root, then remove it (gone already: nothing to do)."""
+    with contextlib.suppress(FileNotFoundError):
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError, OSError):
+                (group.parent / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
 def pin_prefix(name: str) -> list[str]:
     """With FABRIC_PIN=1 (or `up --pin`), host fabN's sshd, and so every process started over ssh,
     runs on core (N-1) % ncpu: each host its own core, like separate Macs. Default off."""
@@ -1102,6 +1126,40 @@ class Fabric:
         event("fabric fault", host=name, killed=",".join(str(p["pid"]) for p in hit))
         return [p["pid"] for p in hit]
 
+    def slow_cpu(self, name: str, quota: float = 0.5) -> None:
+        """A slower Mac: host `name`'s sshd, and so every process started over ssh from now on, gets `quota`
+        of a core's time (a cgroup: v2 cpu.max, else v1 cpu.cfs_quota_us). With --pin, 0.5 is half speed."""
+        found = cpu_cgroup()
+        if not 0.05 <= quota <= 4 or found is None:
+            raise FabricError(f"cpu-slow --quota {quota}: a share of a core from 0.05 to 4, on a machine with "
+                              "cgroup v2's cpu controller or v1's cpu.cfs_quota_us (mounted rw: run as root)", "faults")
+        root, v2 = found
+        with self._locked():
+            h = self.host(name)
+            if not alive(h.get("sshd")):
+                raise FabricError(f"{name}'s sshd is down: `fault sshd-start {name}` first", "faults")
+            group = root / f"thfab-{hashlib.sha256(str(self.dir).encode()).hexdigest()[:8]}-{name}"
+            group.mkdir(exist_ok=True)
+            if v2:
+                (root / "cgroup.subtree_control").write_text("+cpu")
+                (group / "cpu.max").write_text(f"{round(quota * 100_000)} 100000")
+            else:
+                (group / "cpu.cfs_period_us").write_text("100000")
+                (group / "cpu.cfs_quota_us").write_text(str(round(quota * 100_000)))
+            (group / "cgroup.procs").write_text(str(h["sshd"]["pid"]))
+            self._faults(name)["cpu"] = {"quota": quota, "cgroup": str(group)}
+            self._save()
+        event("fabric fault", host=name, cpu=f"quota-{quota:g}")
+
+    def restore_cpu(self, name: str) -> None:
+        """Every process of host `name`'s CPU cgroup back to full speed (the root cgroup), the cgroup removed."""
+        with self._locked():
+            rec = self._faults(name).pop("cpu", None)
+            if rec:
+                release_cgroup(Path(rec["cgroup"]))
+            self._save()
+        event("fabric fault", host=name, cpu="restored")
+
     def small_disk(self, name: str, size: str) -> None:
         """Give host `name` an empty tmpfs of `size` (e.g. "8M") at REMOTE_ROOT; its files return on restore."""
         if not re.fullmatch(r"[1-9][0-9]*[kKmMgG]?", size):
@@ -1216,6 +1274,8 @@ class Fabric:
                 self.restore_disk(name)
             if f.get("python"):
                 self.restore_python(name)
+            if f.get("cpu"):
+                self.restore_cpu(name)
 
 
 # ---- status, sweep, CLI ------------------------------------------------------------
@@ -1273,7 +1333,7 @@ def sweep() -> int:
 
 
 FAULTS = ("sshd-stop", "sshd-start", "link-cut", "link-throttle", "link-restore", "freeze", "thaw", "kill", "disk",
-          "disk-restore", "shadow", "python-hide", "python-restore", "restore-all")
+          "disk-restore", "shadow", "python-hide", "python-restore", "cpu-slow", "cpu-restore", "restore-all")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1302,6 +1362,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--pattern", help="freeze/thaw/kill: regex over the command line (e.g. the run id)")
     f.add_argument("--size", default="8M", help="disk: tmpfs size (default 8M)")
     f.add_argument("--rate", default="2mbit", help="link-throttle: tc tbf rate towards HOST (default 2mbit)")
+    f.add_argument("--quota", type=float, default=0.5, help="cpu-slow: HOST's share of a core (default 0.5)")
     f.add_argument("--package", default="mlx", help="shadow: package (default mlx)")
     f.add_argument("--version", default="0.0.0+fabric", help="shadow: version to report")
     sub.add_parser("sweep", help="down fabrics under runs/ whose owning pytest session is gone")
@@ -1342,6 +1403,10 @@ def run_fault(fab: Fabric, a) -> int:
         fab.hide_python(name)
     elif a.action == "python-restore":
         fab.restore_python(name)
+    elif a.action == "cpu-slow":
+        fab.slow_cpu(name, a.quota)
+    elif a.action == "cpu-restore":
+        fab.restore_cpu(name)
     return 0
 
 

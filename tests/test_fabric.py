@@ -256,6 +256,28 @@ def test_link_cut_partitions_a_host_and_restore_heals_it(fabric_faults):
     assert fab.ssh("fab1", probe, check=True).stdout.strip() == "reachable"
 
 
+SPIN = ("python3 -c 'import time\nt, c = time.monotonic(), time.process_time()\nwhile time.monotonic() - t < 1.5: pass"
+        "\nprint(round((time.process_time() - c) / 1.5, 3))'; cat /proc/self/cgroup")
+
+
+def test_cpu_slow_holds_a_hosts_new_processes_to_their_quota_and_restore_frees_them(fabric_faults):
+    """#29's slower Mac: fab3 at 0.3 of a core. The quota is a ceiling, whatever else loads the machine,
+    so a 1.5 s spin there gets at most about 0.3 s of CPU; after the restore its processes are back in
+    the root cgroup."""
+    import fabric as fabric_mod
+
+    fab = fabric_faults
+    fab.slow_cpu("fab3", 0.3)
+    slow = fab.ssh("fab3", SPIN, check=True).stdout.split("\n", 1)
+    assert float(slow[0]) <= 0.4 and "thfab-" in slow[1], slow
+    assert "thfab-" not in fab.ssh("fab2", SPIN, check=True).stdout  # the other hosts as they were
+    assert fab.state["faults"]["fab3"]["cpu"]["quota"] == 0.3
+    fab.restore_cpu("fab3")
+    assert "thfab-" not in fab.ssh("fab3", SPIN, check=True).stdout and not fab.state["faults"]["fab3"]
+    with pytest.raises(fabric_mod.FabricError, match="cpu-slow --quota 9: a share of a core from 0.05 to 4"):
+        fab.slow_cpu("fab3", 9)
+
+
 def test_freeze_thaw_and_kill_the_processes_of_a_run(fabric_faults):
     fab = fabric_faults
     # the python itself, not the remote shell that may wrap it (bash -c does not always exec)
