@@ -20,6 +20,8 @@ Benchmarks, in order (NAME: what runs):
     loss          bench/bench_loss.py: chunked loss vs default_loss, peak memory and step time
     scaling       bench/bench_scaling.py --runs 4: dual / control on 2 pinned fabric hosts and
                   calibrate's prediction of it (pinned_dual_speedup, speedup_prediction_error)
+    shares        bench/bench_shares.py: one of 2 pinned fabric hosts at half a core, calibrated, then
+                  trained with even shares and `rank_shares: auto` (uneven_shares_speedup)
     smoke         `make smoke` on 2 fabric hosts: wall clock against its two trainer launches
 First it builds what they run on with the operator's own targets (`make tiny-model sample-corpus`,
 `make export CORPUS=datasets/sample/corpus.jsonl DATASET=bench`), so it works from a fresh clone.
@@ -79,6 +81,8 @@ EXTERNAL = [
     ("loss", ["bench/bench_loss.py"], ["bench/bench_loss.py", "--vocab", "16384", "--runs", "1"], 120),
     # its own 2-host pinned fabric
     ("scaling", ["bench/bench_scaling.py", "--runs", "4"], ["bench/bench_scaling.py", "--runs", "1"], 90),
+    # its own 2-host pinned fabric, fab2 at half a core: calibrate, then train with even and auto shares
+    ("shares", ["bench/bench_shares.py"], ["bench/bench_shares.py", "--batch", "8", "--iters", "4"], 300),
 ]
 FABRIC = [("smoke", 240)]
 NAMES = [n for n, *_ in EXTERNAL] + [n for n, _ in FABRIC]

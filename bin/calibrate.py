@@ -181,7 +181,9 @@ def rank_probe(spec: dict) -> dict | None:
         row = measure_batch(st, b, spec["steps"])
         local = measure_batch(st, b, spec["steps"], update=False)
         grads = tree_map(mx.zeros_like, st.model.trainable_parameters())
-        # train's all-reduce, timed once with no warm-up call: the steps above already ran it
+        # train's all-reduce, timed once with no warm-up call (the steps above ran it), after a barrier: a
+        # faster rank is done with its local steps first, and its wait for the slower one is not the link's
+        mx.eval(mx.distributed.all_sum(mx.array([1.0]), stream=mx.cpu))
         alone = timed(mx, 1, average_gradients, grads, warm=0, communication_stream=mx.cpu)[1]
         mine = [row["step_s"], row["min_s"], local["step_s"], local["min_s"], local["max_s"],
                 row["tokens_per_step"]]
@@ -300,10 +302,13 @@ def shares_rule(cfg: dict, link: dict | None) -> dict | None:
         return {"shares": [1] * len(ranks), "rule": "equal", "why": f"{seen}: equal shares",
                 "records_per_s": rates, "noise": noise}
     shares = C.rank_batches({"batch_size": cfg["batch_size"], "rank_shares": rates}, len(ranks))
-    even = [cfg["batch_size"] / len(rates)] * len(rates)
-    step = [max(b / r for b, r in zip(split, rates, strict=True)) for split in (even, shares)]
+    # The gain over the split measured: the slowest rank's records at its rate, plus the all-reduce, before
+    # and after (a step's time grows in proportion to its records: the sweeps' rows say so).
+    t_g = link.get("grad_allreduce", {}).get("cost_s", 0.0)
+    measured = [x["batch"] for x in ranks]
+    t = [max(n / r for n, r in zip(split, rates, strict=True)) + t_g for split in (measured, shares)]
     return {"shares": shares, "rule": "proportional", "why": f"{seen}: shares in proportion to records/s",
-            "records_per_s": rates, "noise": noise, "predicted_compute_gain": step[0] / step[1]}
+            "records_per_s": rates, "noise": noise, "expected_gain": t[0] / t[1]}
 
 
 # ---- the orchestrator ------------------------------------------------------------------------
@@ -396,12 +401,12 @@ def measure(args, hf, cfg: dict, probe_id: str) -> dict:
     listed = isinstance(cfg["rank_shares"], list) and hf.size > 1 and not args.skip_compute
     batches = C.rank_batches(cfg, hf.size) if listed else [per_rank] * hf.size if per_rank else None
     link = phase_link(args, hf, cfg, probe_id, batches) if hf.size > 1 else None
-    sp, boots = speedup_model(cfg, hf.size, hosts, link, batches), {}
+    sp, boots, shares = speedup_model(cfg, hf.size, hosts, link, batches), {}, shares_rule(cfg, link)
     for h in hosts:
         boots.setdefault((h.get("facts") or {}).get("boot_id") or h["ssh"], []).append(h["ssh"])
     return {"hosts": hosts, "shared_machine": [v for v in boots.values() if len(v) > 1], "link": link,
             **{k: hosts[0].get(k) for k in ("trainable_params", "trainable_bytes")}, "recommendation": rec,
-            "speedup": sp, "rank_shares": shares_rule(cfg, link),
+            "speedup": sp, "rank_shares": shares,
             **{k: sp.get(k) for k in ("expected_speedup", "compute_bound_speedup", "link_share")}}
 
 

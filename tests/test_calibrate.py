@@ -108,16 +108,19 @@ def rank(batch, local_s, lo, hi, ssh="mac4"):
 
 
 def test_shares_follow_measured_speed_beyond_the_noise():
-    """Equal hosts (3% apart) share equally; one at half speed gets a third of the batch, and the
-    predicted compute gain is even's slowest rank over the shares' (1.5x: 2 s for 6 records at
-    3/s, 1.33 s for 8 at 6/s and 4 at 3/s); a host whose own
-    steps vary by 60% is not told apart from one 50% slower."""
+    """Equal hosts (3% apart) share equally; one at half speed gets a third of the batch; a host whose
+    own steps vary by 60% is not told apart from one 50% slower."""
     cfg = {"batch_size": 12}
     same = cal.shares_rule(cfg, {"ranks": [rank(6, 1.0, 0.99, 1.01), rank(6, 1.03, 1.02, 1.04)]})
     assert same["shares"] == [1, 1] and same["rule"] == "equal" and "3%" in same["why"], same
-    half = cal.shares_rule(cfg, {"ranks": [rank(6, 1.0, 0.99, 1.01), rank(6, 2.0, 1.98, 2.02)]})
+    half_ranks = [rank(6, 1.0, 0.99, 1.01), rank(6, 2.0, 1.98, 2.02)]
+    half = cal.shares_rule(cfg, {"ranks": half_ranks})
     assert half["shares"] == [8, 4] and half["rule"] == "proportional", half
-    assert half["predicted_compute_gain"] == pytest.approx(1.5) and "100%" in half["why"]
+    assert "records/s 6 : 3 (ranks in hostfile order) differ by 100%" in half["why"]
+    # the gain over the split measured: 2 s (6 records at 3/s) vs 1.33 s (8 at 6/s, 4 at 3/s), no all-reduce
+    assert half["expected_gain"] == pytest.approx(1.5)
+    slow_link = cal.shares_rule(cfg, {"ranks": half_ranks, "grad_allreduce": {"cost_s": 1.0}})
+    assert slow_link["expected_gain"] == pytest.approx(3 / (1 + 4 / 3))  # the all-reduce is not shared
     noisy = cal.shares_rule(cfg, {"ranks": [rank(6, 1.0, 0.7, 1.3), rank(6, 1.5, 1.45, 1.55)]})
     assert noisy["rule"] == "equal" and noisy["noise"] == pytest.approx(0.6), noisy
     three = cal.shares_rule({"batch_size": 8}, {"ranks": [rank(2, 1.0, 1, 1)] * 2 + [rank(4, 1.0, 1, 1)]})

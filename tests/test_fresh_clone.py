@@ -102,7 +102,7 @@ def test_tests_readme_fabric_block_as_typed(clone):
 
 def test_bench_readme_quick_as_typed(clone):
     """bench/README.md's quick `make bench`: the preparation through make targets, then every row once."""
-    require_fabric()  # check_parity, sync, scaling and smoke run on fabrics of their own
+    require_fabric()  # check_parity, sync, scaling, shares and smoke run on fabrics of their own
     [line] = [ln.split(" #")[0].strip() for b in sh_blocks("bench/README.md") for ln in b.splitlines()
               if "--quick" in ln]
     shutil.rmtree(clone / "datasets" / "bench", ignore_errors=True)
@@ -111,7 +111,7 @@ def test_bench_readme_quick_as_typed(clone):
     assert "make --no-print-directory export CORPUS=datasets/sample/corpus.jsonl DATASET=bench" in p.stdout
     doc = json.loads((clone / "bench" / "results-quick.json").read_text())
     rows = {b["name"]: b for b in doc["benchmarks"]}
-    names = ["export", "check_parity", "sync", "trainer", "loss", "scaling", "smoke"]
+    names = ["export", "check_parity", "sync", "trainer", "loss", "scaling", "shares", "smoke"]
     assert list(rows) == names, list(rows)
     bad = {n: (b["status"], b["error"][-300:]) for n, b in rows.items() if b["status"] not in ("ok", "target missed")}
     assert not bad, bad
