@@ -110,10 +110,11 @@ def predicted(one: dict, allsum_s: float, control_step_s: float) -> float:
     cal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cal)
     b = one["batch"]
-    hosts = [{"ssh": "fab1", "sweep": [{"batch": b, "step_s": one["cpu_s"]}, {"batch": 2 * b, "step_s": control_step_s}]},
-             {"ssh": "fab2", "sweep": [{"batch": b, "step_s": one["cpu_s"]}]}]
+    hosts = [{"ssh": "fab1", "ranks": [0], "sweep": [{"batch": b, "step_s": one["cpu_s"]},
+                                                    {"batch": 2 * b, "step_s": control_step_s}]},
+             {"ssh": "fab2", "ranks": [1], "sweep": [{"batch": b, "step_s": one["cpu_s"]}]}]
     sp = cal.speedup_model({"batch_size": 2 * b, "grad_accumulation_steps": 1}, 2, hosts,
-                           {"grad_allreduce": {"cost_s": allsum_s}})
+                           {"grad_allreduce": {"cost_s": allsum_s}}, [b, b])
     return sp["expected_speedup"]
 
 
