@@ -3,7 +3,7 @@
 with calibrated ones (`rank_shares: auto`), beside calibrate's prediction of the gain.
 
 Usage:
-    python bench/bench_shares.py [--batch 16] [--iters 12] [--quota 0.5] [--seq 128]
+    python bench/bench_shares.py [--batch 16] [--iters 12] [--quota 0.5] [--seq 128] [--budget-s 20] [--steps 3]
 
 Example (what `make bench` runs through bench/run_all.py):
     .venv/bin/python bench/bench_shares.py
@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, kind, default, what in (("--batch", int, 16, "records a step (the global batch)"),
                                       ("--iters", int, 12, "steps per run"), ("--seq", int, 128, "max_seq_length"),
-                                      ("--quota", float, 0.5, "the slow host's share of its core")):
+                                      ("--quota", float, 0.5, "the slow host's share of its core"),
+                                      ("--budget-s", float, 20.0, "calibrate's compute seconds per host"),
+                                      ("--steps", int, 3, "calibrate's timed steps")):
         p.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
     return p
 
@@ -93,8 +95,9 @@ def measure(a, fab, made: list[Path]) -> dict:
     step([PY, "bin/sync.py", "--hostfile", hf, "--remote-root", fab.remote_root, "--dataset", DATASET,
           "--model", MODEL], env, "sync")
     before = set((ROOT / "runs").glob("calibration-*.json"))
-    step(["nice", "-n", "19", PY, "bin/calibrate.py", *common, "--model", MODEL, "--config", str(configs["even"]), "--budget-s", "20",
-          "--max-batch", str(a.batch), "--steps", "3", "--max-bytes", str(1 << 20)], env, "calibrate")
+    step(["nice", "-n", "19", PY, "bin/calibrate.py", *common, "--model", MODEL, "--config", str(configs["even"]),
+          "--budget-s", str(a.budget_s), "--max-batch", str(a.batch), "--steps", str(a.steps), "--max-bytes",
+          str(1 << 20)], env, "calibrate")
     cal_file = max(set((ROOT / "runs").glob("calibration-*.json")) - before)
     made.append(cal_file)
     cal = json.loads(cal_file.read_text())

@@ -82,7 +82,8 @@ EXTERNAL = [
     # its own 2-host pinned fabric
     ("scaling", ["bench/bench_scaling.py", "--runs", "4"], ["bench/bench_scaling.py", "--runs", "1"], 90),
     # its own 2-host pinned fabric, fab2 at half a core: calibrate, then train with even and auto shares
-    ("shares", ["bench/bench_shares.py"], ["bench/bench_shares.py", "--batch", "8", "--iters", "4"], 300),
+    ("shares", ["bench/bench_shares.py"], ["bench/bench_shares.py", "--batch", "8", "--iters", "4", "--budget-s", "5",
+                                                   "--steps", "2"], 300),
 ]
 FABRIC = [("smoke", 240)]
 NAMES = [n for n, *_ in EXTERNAL] + [n for n, _ in FABRIC]
