@@ -115,14 +115,26 @@ def test_sync_killed_mid_transfer_keeps_previous_dataset(fabric_faults, tmp_path
 
 
 # The 2-host smoke runs inside tests/test_real_run.py (check_smoke: the same checks).
+# 3 hosts with unequal shares (#29): 3, 2 and 1 of smoke.yaml's 6 records a step; the smoke's own
+# criteria (every rank joined, real data, a checkpoint, validation, a second launch that resumes from the
+# checkpoint to the end) then hold for them.
 @pytest.mark.parametrize("n", [3])
 def test_smoke_on_fabric(fabric_faults, n):
     fabric = fabric_faults
     hosts = fabric.hosts[:n]
     run = f"fab-smoke-{n}"
-    p = fmake(fabric, "smoke", *fab_vars(fabric, hosts, run), timeout=900)
+    config = ROOT / "configs" / f"{run}.yaml"  # in configs/, which sync sends with the code
+    config.write_text((ROOT / "configs" / "smoke.yaml").read_text() + "rank_shares: [3, 2, 1]\n")
+    try:
+        p = fmake(fabric, "smoke", *fab_vars(fabric, hosts, run, SMOKE_CONFIG=f"configs/{run}.yaml"), timeout=900)
+    finally:
+        config.unlink()
     assert f"{n}/{n} ranks joined with world size [{n}]" in p.stdout
     check_smoke(run, fabric, hosts)
+    man = json.loads((ROOT / f"runs/{run}/manifest.json").read_text())
+    assert man["rank_batches"] == [3, 2, 1], man.get("rank_batches")
+    logs = ROOT / f"runs/{run}/smoke/logs"
+    assert [json.loads((logs / f"rank-{r}.joined.json").read_text())["rank_batch"] for r in range(n)] == [3, 2, 1]
 
 
 def check_smoke(run, fabric, hosts):
