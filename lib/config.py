@@ -220,20 +220,25 @@ def rank_batches(cfg: dict, world_size: int) -> list[int]:
     return n
 
 
+SHARE_KEYS = ("batch_size", "max_seq_length", "num_layers", "lora_parameters", "grad_checkpoint")
+
+
 def calibrated_shares(hosts: list[str], cfg: dict, config: str) -> list[int]:
-    """rank_shares: auto: the newest calibration's shares for these hosts (in this order) at this batch."""
+    """rank_shares: auto: the newest calibration's shares for these hosts (in this order), measured with this
+    config's batch and the settings that shape a step (SHARE_KEYS)."""
     from lib import paths
 
     for path in sorted(paths.RUNS.glob("calibration-*.json"), reverse=True):
         doc = paths.read_json(path)
-        if [h["ssh"] for h in doc.get("hostfile", {}).get("hosts", [])] == hosts and \
-                doc.get("config", {}).get("batch_size") == cfg["batch_size"] and doc.get("rank_shares"):
+        if [h["ssh"] for h in doc.get("hostfile", {}).get("hosts", [])] == hosts and doc.get("rank_shares") \
+                and all(doc.get("config", {}).get(k) == cfg.get(k) for k in SHARE_KEYS):
             event("rank-shares", calibration=paths.rel(path), shares=json.dumps(doc["rank_shares"]["shares"]),
                   rule=doc["rank_shares"]["rule"])
             return doc["rank_shares"]["shares"]
     raise ConfigError(f"{config}: rank_shares: auto, but runs/ has no calibration of these hosts "
-                      f"({', '.join(hosts)}) at batch_size {cfg['batch_size']}: run `make calibrate` first, "
-                      "or write the shares")
+                      f"({', '.join(hosts)}) at batch_size {cfg['batch_size']} (and this config's "
+                      f"{', '.join(SHARE_KEYS[1:])}): run `make calibrate` with it first, or write the "
+                      "shares")
 
 
 def check_world(cfg: dict, world_size: int) -> None:  # batch_size is the global batch, as in mlx-lm

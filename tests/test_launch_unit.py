@@ -296,7 +296,8 @@ def test_shares_that_do_not_fit_the_hostfile_are_refused_before_a_launch(tmp_pat
     run_id = f"shares-refused-{os.getpid()}"
     for shares, want in (("[2, 1, 1]", r"rank_shares \[2, 1, 1\] is not one share per rank: the hostfile has 2"),
                          ("auto", r"rank_shares: auto, but runs/ has no calibration of these hosts \(mac4-nowhere, "
-                                  r"mac5-nowhere\) at batch_size 8: run `make calibrate` first")):
+                                  r"mac5-nowhere\) at batch_size 8 \(and this config's max_seq_length, .*\): run `make calibrate` "
+                                  r"with it first")):
         cfg = tmp_path / "shares.yaml"
         cfg.write_text((ROOT / "configs" / "demo.yaml").read_text() + f"rank_shares: {shares}\n")
         p = run([PY, "bin/run.py", "--stage", "train", "--run", run_id, "--hostfile", str(hostfile), "--config",
@@ -308,7 +309,7 @@ def test_shares_that_do_not_fit_the_hostfile_are_refused_before_a_launch(tmp_pat
 
 def test_auto_shares_come_from_the_newest_calibration_of_these_hosts_at_this_batch(tmp_path, monkeypatch):
     """#29: rank_shares: auto takes the shares of the newest calibration whose hosts (in rank order) and
-    batch_size are the run's; a newer one of other hosts, or of another batch, is not it."""
+    step settings are the run's; a newer one of other hosts, another batch or sequence length is not it."""
     import json
 
     from lib import config as C
@@ -325,6 +326,10 @@ def test_auto_shares_come_from_the_newest_calibration_of_these_hosts_at_this_bat
     cal("20261203T000000Z", ["mac5", "mac4"], 8, [1, 3])  # the same Macs, other ranks
     cal("20261204T000000Z", ["mac4", "mac5"], 16, [9, 7])  # another batch
     assert C.calibrated_shares(["mac4", "mac5"], {"batch_size": 8}, "c.yaml") == [3, 1]
+    # calibrated at another sequence length (the docs above have none): not this config's shares
+    with pytest.raises(C.ConfigError, match=r"at batch_size 8 \(and this config's max_seq_length, num_layers"):
+        C.calibrated_shares(["mac4", "mac5"], {"batch_size": 8, "max_seq_length": 512}, "c.yaml")
+
     with pytest.raises(C.ConfigError, match=r"c.yaml: rank_shares: auto, but runs/ has no calibration of these "
                                             r"hosts \(mac4, mac6\) at batch_size 8"):
         C.calibrated_shares(["mac4", "mac6"], {"batch_size": 8}, "c.yaml")
