@@ -153,8 +153,8 @@ def test_runbook_links_resolve_and_headings_are_unique():
 # terminal, +143), and to 5,800 with #28 (sample answers and loss by source in lib/evaluate.py, a status
 # for a person, a one-line gate: +151), whose code has no duplicate left to cut: see their closing notes;
 # then to 6,300 with the tracking half of #28 (lib/tracking.py: W&B from rank 0 that can never stop or hang
-# a run, +165) and #29 (rank_shares: shares of the batch by measured speed, resolved before a launch, kept
-# through a fallback, +120).
+# a run, +190) and #29 (rank_shares: shares of the batch by measured speed, resolved before a launch, kept
+# through a fallback, calibrate's shares rule and plan's workload: +146): 6,128 at that stop.
 CAPS = {"export": 400, "check_parity": 400, "sync": 400, "smoke": 400, "run": 400, "compare": 400,
         "train": 600, "calibrate": 500, "plan": 400, "provision": 250}
 
