@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from lib import paths
 from lib.log import STABILITY, RunbookError, anchor_of, event
 
 # SafeLoader with mlx_lm/lora.py's float resolver: `1e-5` and `.5` are floats, as in YAML 1.2.
@@ -226,8 +227,6 @@ SHARE_KEYS = ("batch_size", "max_seq_length", "num_layers", "lora_parameters", "
 def calibrated_shares(hosts: list[str], cfg: dict, config: str) -> list[int]:
     """rank_shares: auto: the newest calibration's shares for these hosts (in this order), measured with this
     config's batch and the settings that shape a step (SHARE_KEYS)."""
-    from lib import paths
-
     for path in sorted(paths.RUNS.glob("calibration-*.json"), reverse=True):
         doc = paths.read_json(path)
         if [h["ssh"] for h in doc.get("hostfile", {}).get("hosts", [])] == hosts and doc.get("rank_shares") \
