@@ -207,6 +207,9 @@ def rank_batches(cfg: dict, world_size: int) -> list[int]:
     if not shares or world_size == 1:
         check_world(cfg, world_size)
         return [bs // world_size] * world_size
+    if shares == "auto":  # the launcher resolves it (lib/launch.py) and passes each rank --rank-shares
+        raise ConfigError("rank_shares: auto reached a rank unresolved: launch through make (or bin/run.py), "
+                          "which takes the shares from the newest calibration")
     if not isinstance(shares, list) or len(shares) != world_size:
         raise ConfigError(f"rank_shares {shares} is not one share per rank: the hostfile has {world_size} "
                           "ranks (its hosts' order is the ranks')")

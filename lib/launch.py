@@ -288,7 +288,7 @@ def load_inputs(args, stage: str):
     if cfg["rank_shares"] == "auto" and hf.size > 1:
         cfg["rank_shares"] = calibrated_shares([h.ssh for h in hf.hosts], cfg, args.config)
     args.rank_batches = rank_batches(cfg, hf.size)  # refused here, before a launch, when they do not fit
-    args.rank_shares = cfg["rank_shares"] if hf.size > 1 and len(set(args.rank_batches)) > 1 else None
+    args.rank_shares = cfg["rank_shares"] if hf.size > 1 else None  # auto as resolved, even ones too
     supervisor.hold(args, stage)
     return hf, cfg
 

@@ -333,3 +333,36 @@ def test_auto_shares_come_from_the_newest_calibration_of_these_hosts_at_this_bat
     with pytest.raises(C.ConfigError, match=r"c.yaml: rank_shares: auto, but runs/ has no calibration of these "
                                             r"hosts \(mac4, mac6\) at batch_size 8"):
         C.calibrated_shares(["mac4", "mac6"], {"batch_size": 8}, "c.yaml")
+
+
+def test_auto_shares_that_come_out_even_still_reach_every_rank(tmp_path, monkeypatch):
+    """#29: a calibration that finds the Macs equal resolves rank_shares: auto to even shares. The ranks
+    still get them as --rank-shares (they read the config themselves and cannot resolve auto): before, the
+    launcher passed none and every rank stopped with "rank_shares auto is not one share per rank"."""
+    import argparse
+    import json
+
+    import yaml
+    from conftest import ROOT
+
+    from lib import config as C
+    from lib import paths
+
+    monkeypatch.setattr(paths, "RUNS", tmp_path)
+    monkeypatch.setattr(supervisor, "hold", lambda args, stage: None)
+    cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text()) | {"rank_shares": "auto"}
+    (config := tmp_path / "auto.yaml").write_text(yaml.safe_dump(cfg))
+    loaded = C.load_config(str(config))  # a calibration of this config: its keys that shape a step
+    (tmp_path / "calibration-20261201T000000Z.json").write_text(json.dumps(
+        {"hostfile": {"hosts": [{"ssh": "mac4"}, {"ssh": "mac5"}]}, "config": {k: loaded[k] for k in C.SHARE_KEYS},
+         "rank_shares": {"shares": [1, 1], "rule": "equal"}}))
+    (hostfile := tmp_path / "hostfile.json").write_text(json.dumps(
+        {"backend": "ring", "hosts": [{"ssh": "mac4", "ips": ["10.9.0.1"]}, {"ssh": "mac5", "ips": ["10.9.0.2"]}]}))
+    args = argparse.Namespace(run="auto-even", hostfile=str(hostfile), config=str(config), watchdog=None,
+                              model="models/m", dataset="d", seed=None)
+    launch.load_inputs(args, "train")
+    assert args.rank_batches == [cfg["batch_size"] // 2] * 2
+    targs = launch.trainer_args(args, "runs/auto-even", str(config))
+    assert targs[targs.index("--rank-shares") + 1] == "[1, 1]", targs
+    with pytest.raises(C.ConfigError, match="rank_shares: auto reached a rank unresolved: launch through make"):
+        C.rank_batches(cfg, 2)  # what a rank without them would meet, said plainly
