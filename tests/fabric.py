@@ -342,11 +342,16 @@ def unavailable() -> str | None:
     return None
 
 
+LOCK = Path("/run/lock/thunder-runbook-fabric.lock")  # one for the machine: every checkout's fabrics share
+# its addresses and links (a fresh clone's tests bring theirs up beside this checkout's; see tests/conftest.py)
+
+
 class lock:
-    """Serialize fabric changes on this machine's checkout (flock on this script file)."""
+    """Serialize fabric changes on this machine, across checkouts (flock on LOCK)."""
 
     def __enter__(self):
-        self.f = open(__file__, "rb")
+        LOCK.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(LOCK, "a")
         deadline = time.monotonic() + 120
         while True:
             try:
