@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -97,48 +96,6 @@ def demo_inputs():
     make("export", "CORPUS=datasets/sample/corpus.jsonl", f"DATASET={SAMPLE_DATASET}")
 
 
-# ---- tests marked `beside` run in a second pytest (issue #25: make test within 15 minutes) ----------
-BESIDE = "THUNDER_TESTS_BESIDE"  # set in the second pytest: it runs what it is given, nothing beside
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Tests marked `beside` share nothing with the others (a fresh clone of their own, or run names,
-    model, dataset and fabric of their own), so when they come with others they run in a second pytest
-    beside this one, started once demo_inputs stand (_beside). This one waits for it at the end, shows
-    its report and fails when it failed."""
-    beside = [i.nodeid for i in items if i.get_closest_marker("beside")]
-    if os.environ.get(BESIDE) or not beside or len(beside) == len(items) or config.option.collectonly:
-        return
-    items[:] = [i for i in items if not i.get_closest_marker("beside")]
-    config.beside = {"ids": beside, "proc": None, "log": tempfile.TemporaryFile("w+")}
-
-
-@pytest.fixture(autouse=True)
-def _beside(request, demo_inputs):
-    """Start the tests beside, once: after demo_inputs, which they would otherwise build at the same time
-    (theirs are then no-ops)."""
-    b = getattr(request.config, "beside", None)
-    if b and b["proc"] is None:
-        b["proc"] = subprocess.Popen([PY, "-m", "pytest", "-p", "no:cacheprovider", *b["ids"]], cwd=ROOT,
-                                     env=dict(os.environ, **{BESIDE: "1"}), stdout=b["log"],
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-
-def pytest_sessionfinish(session, exitstatus):
-    """Wait for the tests beside (stop them on an interrupt); their failure is this session's."""
-    if not (b := getattr(session.config, "beside", None)):
-        return
-    if b["proc"] is None:  # no test of this session got as far as demo_inputs
-        b["log"].write("not started: this session's demo_inputs did not stand\n")
-        b["rc"] = 2
-    else:
-        if exitstatus == pytest.ExitCode.INTERRUPTED:
-            b["proc"].terminate()
-        b["rc"] = b["proc"].wait()
-    if b["rc"] != 0 and exitstatus == pytest.ExitCode.OK:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
 # ---- the multi-host test fabric (tests/fabric.py; issue #3) --------------------------------
 def require_fabric():
     """tests/fabric.py as a module, or skip (fail under REQUIRE_FABRIC=1) saying why a fabric
@@ -181,28 +138,8 @@ def fabric_faults(fabric):
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_terminal_summary(terminalreporter, config):
-    """Say, at the end, how many fabric tests were skipped and why (README.md#requirements); then the
-    report of the tests that ran beside (pytest_collection_modifyitems)."""
-    fabric_skips(terminalreporter)
-    if b := getattr(config, "beside", None):
-        rc = b["rc"]
-        terminalreporter.write_sep("=", f"{len(b['ids'])} tests marked `beside`, run in a second pytest: "
-                                        f"{'passed' if rc == 0 else f'exit {rc}'}", green=rc == 0, red=rc != 0)
-        b["log"].seek(0)
-        terminalreporter.write(b["log"].read())
-
-
-def pytest_unconfigure(config):
-    """The last line: the tests beside, after this session's own count (pytest's line above this)."""
-    if (b := getattr(config, "beside", None)) and (tr := config.pluginmanager.get_plugin("terminalreporter")):
-        b["log"].seek(0)
-        last = ([ln.strip(" =\n") for ln in b["log"] if ln.startswith("=")] or [f"exit {b.get('rc')}"])[-1]
-        tr.write_sep("=", f"beside: {last} (the {len(b['ids'])} tests marked `beside`)", green=b.get("rc") == 0,
-                     red=b.get("rc") != 0)
-
-
-def fabric_skips(terminalreporter):
+def pytest_terminal_summary(terminalreporter):
+    """Say, at the end, how many fabric tests were skipped and why (README.md#requirements)."""
     skipped = [r for r in terminalreporter.stats.get("skipped", [])
                if "multi-host fabric unavailable" in str(getattr(r, "longrepr", ""))]
     if skipped:

@@ -70,7 +70,6 @@ def fresh_fabric():
         make("fabric-down", env=env)
 
 
-@pytest.mark.beside  # its own fabric, model, dataset, run names and config: beside the rest (conftest.py)
 def test_the_real_run_as_written_on_fresh_hosts(fresh_fabric, tmp_path):
     fab = fresh_fabric
     name = f"realrun-{os.getpid()}"
