@@ -192,9 +192,9 @@ class Batches:
 
         self.np, self.rs, self.n_val, self.cfg = np, np.random.RandomState(cfg["seed"]), n_val, cfg
         self.merge = merge  # rank_shares: this rank's shares as one batch, padded to the longest (masked)
-        groups = [types.SimpleNamespace(rank=lambda j=j: j, size=lambda: shards) for j in shares]
+        self.groups = [types.SimpleNamespace(rank=lambda j=j: j, size=lambda: shards) for j in shares]
         self.gens = [iterate_batches(dataset, cfg["batch_size"], cfg["max_seq_length"], True, comm_group=g)
-                     for g in groups]
+                     for g in self.groups]
 
     def next(self, it: int) -> list:
         out = []
@@ -205,11 +205,14 @@ class Batches:
         self.rs.set_state(self.np.random.get_state())
         if self.n_val and (it == 1 or it % self.cfg["steps_per_eval"] == 0):
             self.rs.permutation(self.n_val)
-        if self.merge and len(out) > 1:
-            n = max(b.shape[1] for b, _ in out)
-            out = [(mx.concatenate([mx.pad(b, [(0, 0), (0, n - b.shape[1])]) for b, _ in out]),
-                    mx.concatenate([lengths for _, lengths in out]))]
-        return out
+        return [merged(out)] if self.merge and len(out) > 1 else out
+
+
+def merged(batches) -> tuple:
+    """Several shards' batches as one, each padded to the longest (the loss masks by length)."""
+    n = max(b.shape[1] for b, _ in batches)
+    return (mx.concatenate([mx.pad(b, [(0, 0), (0, n - b.shape[1])]) for b, _ in batches]),
+            mx.concatenate([lengths for _, lengths in batches]))
 
 
 def prepare_model(mx, model, cfg: dict):
@@ -431,9 +434,15 @@ def evaluate(r, step: int, split: str) -> None:
     if r.sets[split] is None or (n := cfg[f"{phase}_batches"]) == 0:
         return
     rep.beat(phase, 0.0)
+    iterate = plain = partial(trainer.iterate_batches, seed=cfg["seed"])
+    if r.batches.merge:  # rank_shares: each global batch split as a train step splits it, this rank's shards
+        # merged (an uneven batch need not divide by the world size); token-weighted: the control's loss
+        def iterate(dataset, batch_size, max_seq_length, comm_group=None):
+            gens = [plain(dataset, batch_size, max_seq_length, comm_group=g) for g in r.batches.groups]
+            return map(merged, zip(*gens, strict=True))
     loss = trainer.evaluate(model=r.model, dataset=r.sets[split], batch_size=cfg["batch_size"], num_batches=n,
                             max_seq_length=cfg["max_seq_length"], loss=losses(cfg)[1],
-                            iterate_batches=partial(trainer.iterate_batches, seed=cfg["seed"]),
+                            iterate_batches=iterate,
                             progress_callback=partial(rep.beat, phase))
     r.model.train()
     dt, ppl = time.perf_counter() - tic, math.exp(loss) if loss < 700 else float("inf")

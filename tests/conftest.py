@@ -112,7 +112,7 @@ def require_fabric():
 
 @pytest.fixture(scope="session")
 def fabric():
-    """A 3-host fabric (fab1..fab3) of this pytest session, up once and down at the session's end.
+    """A 4-host fabric (fab1..fab4) of this pytest session, up once and down at the session's end.
 
     It is this session's own instance (runs/fabric-test-<pid>, its own link names and a free
     10.213.X.0/24), so it neither disturbs nor is disturbed by a fabric brought up by hand.
@@ -124,7 +124,7 @@ def fabric():
     env = {"FABRIC_DIR": str(ROOT / "runs" / f"fabric-test-{pid}"), "FABRIC_PREFIX": f"ts{pid}",
            "FABRIC_SUBNET": "auto", "FABRIC_OWNER_PID": str(pid)}
     run([PY, "tests/fabric.py", "sweep"])  # fabrics left by crashed sessions
-    make("fabric-up", "HOSTS=3", env=env)
+    make("fabric-up", "HOSTS=4", env=env)
     fab = fabric_mod.Fabric(env["FABRIC_DIR"])
     yield fab
     make("fabric-down", env=env)

@@ -183,7 +183,8 @@ def test_control_and_compare_on_the_fabric(fabric, control):
 
 
 def test_a_throttled_link_is_predicted_and_called_link_bound(fabric_faults, long_cfg, control):
-    """#19: fab2's cable throttled to 200 kbit/s (tc tbf). `make calibrate` predicts the drop (the
+    """#19: fab2's cable throttled to 100 kbit/s (tc tbf; at 200 kbit/s calibrate predicted 0.47x,
+    too near the threshold for two loaded cores). `make calibrate` predicts the drop (the
     gradient all-reduce takes most of a dual step); the same training, 2 steps of it, is then slower
     than the control beyond MIN_SPEEDUP, and `make compare` calls it link-bound, naming that
     calibration. The unthrottled run passes the same threshold (the test above)."""
@@ -191,7 +192,7 @@ def test_a_throttled_link_is_predicted_and_called_link_bound(fabric_faults, long
     cfg = long_cfg.with_name("fab-long-slow.yaml")  # iters and save_every may differ: still comparable
     cfg.write_text(long_cfg.read_text().replace("iters: 8", "iters: 2"))  # step 1's time is not counted
     before = set((ROOT / "runs").glob("calibration-*.json"))
-    fabric.throttle_link("fab2", "200kbit")
+    fabric.throttle_link("fab2", "100kbit")
     t0 = time.monotonic()
     try:
         fmake(fabric, "calibrate", *fab_vars(fabric, run, CONFIG=str(cfg)),
@@ -202,7 +203,8 @@ def test_a_throttled_link_is_predicted_and_called_link_bound(fabric_faults, long
         print(f"throttled calibration ({time.monotonic() - t0:.0f} s):", doc["link"]["grad_allreduce"],
               {k: sp.get(k) for k in ("expected_speedup", "compute_bound_speedup", "link_share")})
         assert sp["link_share"] >= 0.5 and sp["expected_speedup"] < 0.5 * sp["compute_bound_speedup"], sp
-        t, out = train(fabric, cfg, run)
+        assert sp["expected_speedup"] < 0.8 * float(MIN_SPEEDUP), sp  # the verdict below, predicted with margin
+        t, out = train(fabric, cfg, run, WATCHDOG="90")  # one all-reduce takes ~11 s at this rate
         p, summary = finish(t, out, run)
         assert p.returncode == 0 and summary["ok"], (p.stderr[-3000:], summary)
         shutil.copytree(ROOT / "runs" / control, ROOT / "runs" / f"{run}-control", dirs_exist_ok=True)
