@@ -51,6 +51,27 @@ def kill_sync_mid_transfer(argv: list[str], staging: Path, env: dict | None = No
     p.wait()
 
 
+def wait_step(run: str, step: int, timeout: float = 300) -> None:
+    """Wait until rank 1 of `make train RUN=run` has logged iter `step` (or a later one)."""
+    import re
+    import time
+
+    log, deadline = ROOT / f"runs/{run}/logs/launch-train.log", time.time() + timeout
+    while time.time() < deadline:
+        if log.is_file() and any(int(n) >= step for n in re.findall(r"iter (\d+) rank 1 ", log.read_text())):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{run} never reached step {step}")
+
+
+def losses(run: str, kind: str = "train") -> dict[int, float]:
+    """A run's loss per step from its metrics.jsonl: kind "train" or "val"."""
+    import json
+
+    metrics = (ROOT / f"runs/{run}/metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m["loss"] for m in map(json.loads, metrics) if m.get("kind") == kind}
+
+
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import MAKE, ROOT, make
+from conftest import MAKE, ROOT, losses, make, wait_step
 from safetensors.numpy import load_file
 
 pytestmark = [pytest.mark.fabric, pytest.mark.slow]
@@ -66,15 +66,6 @@ def train(fabric, cfg, run, **extra):
     return t, out
 
 
-def wait_step(run, step, timeout=300):
-    log, deadline = ROOT / f"runs/{run}/logs/launch-train.log", time.time() + timeout
-    while time.time() < deadline:
-        if log.is_file() and any(int(n) >= step for n in re.findall(r"iter (\d+) rank 1 ", log.read_text())):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{run} never reached step {step}")
-
-
 def status(fabric, run):
     t0 = time.monotonic()
     p = fmake(fabric, "status", *fab_vars(fabric, run), "JSON=1", check=False, timeout=30)
@@ -89,11 +80,6 @@ def finish(t, out, run):
 
 def adapter(run):
     return load_file(str(ROOT / f"runs/{run}/adapters/adapters.safetensors"))
-
-
-def losses(run):
-    return {m["step"]: m["loss"] for m in map(json.loads, (ROOT / f"runs/{run}/metrics.jsonl").read_text().splitlines())
-            if m.get("kind") == "train"}
 
 
 def no_rank_left(fabric):

@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from conftest import PY, ROOT, kill_sync_mid_transfer, make
+from conftest import PY, ROOT, kill_sync_mid_transfer, losses, make, wait_step
 
 pytestmark = [pytest.mark.fabric, pytest.mark.slow]
 
@@ -124,20 +124,6 @@ def test_sync_killed_mid_transfer_keeps_previous_dataset(fabric_faults, tmp_path
 SHARES = {3: [3, 2, 1], 4: [3, 1, 1, 1]}
 
 
-def wait_step(run, step, timeout=300):
-    log, deadline = ROOT / f"runs/{run}/logs/launch-train.log", time.time() + timeout
-    while time.time() < deadline:
-        if log.is_file() and any(int(n) >= step for n in re.findall(r"iter (\d+) rank 1 ", log.read_text())):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{run} never reached step {step}")
-
-
-def val_losses(run):
-    metrics = (ROOT / f"runs/{run}/metrics.jsonl").read_text().splitlines()
-    return {m["step"]: m["loss"] for m in map(json.loads, metrics) if m["kind"] == "val"}
-
-
 @pytest.mark.parametrize("n", [3, 4])
 def test_shares_on_n_hosts_smoke_train_killed_rank_control_compare(fabric_faults, n):
     import numpy as np
@@ -188,7 +174,7 @@ def test_shares_on_n_hosts_smoke_train_killed_rank_control_compare(fabric_faults
         assert rep["runs"]["dual"]["rank_batches"] == summary["rank_batches"], rep["runs"]["dual"]
         # Validation splits each global batch as training does (6 records need not divide by 4 ranks):
         # every validation loss is the control's.
-        dval, cval = (val_losses(r) for r in (run, f"{run}-control"))
+        dval, cval = (losses(r, "val") for r in (run, f"{run}-control"))
         assert dval.keys() == cval.keys() and len(dval) >= 2, (dval, cval)
         assert all(abs(dval[k] - cval[k]) <= 1e-5 * abs(cval[k]) for k in dval), (dval, cval)
         dual, ctl = (load_file(str(ROOT / f"runs/{r}/adapters/adapters.safetensors")) for r in (run, f"{run}-control"))
