@@ -33,7 +33,9 @@ from lib.log import CATEGORIES, HANG, OOM_RE, OTHER_FAILURES, PARITY, anchor_of,
 from lib.remote import rsh, run_on, ssh_argv
 
 STEP_RE = re.compile(r"(?:^|\s)iter (\d+)\b")
-STDIN_FILL = 1 << 18  # bytes: over a pipe's buffer (64 KiB on Linux and macOS)
+# bytes: more than a rank's stdin takes in before it stays full (mlx.launch's select() then waits): a pipe
+# (64 KiB) for a local rank; over ssh, the session's 2 MiB channel window and two pipes (2.2 MB measured)
+STDIN_FILL = 8 << 20
 PROGRESS_RE = re.compile(r"(?:^|\s)(?:progress|rank-joined) rank \d+ ")
 DONE_RE = re.compile(r"(?:^|\s)done step \d+")
 RANK_STEP_RE = re.compile(r"(?:^|\s)iter \d+ rank \d+ ")  # every step, every rank: logs only

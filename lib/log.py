@@ -33,6 +33,10 @@ OOM_RE = re.compile(r"Insufficient Memory|OutOfMemory|out of memory|Unable to al
                     r"\[malloc\]|greater than the maximum allowed buffer size|std::bad_alloc|"
                     r"kIOGPUCommandBufferCallbackError(?:OutOfMemory|Timeout|ImpactingInteractivity)", re.I)
 
+# A peer's rank, host or cable went away mid-collective, as MLX's ring backend says it (the rank that notices
+# first may say so before mlx.launch stops it): a hang / link partition, which RESTARTS resumes.
+PEER_LOST_RE = re.compile(r"\[ring\] connection to a peer was lost|was closed by the peer")
+
 
 def anchor_of(category: str) -> str:
     """The RUNBOOK anchor of a category of CATEGORIES or of OTHER_FAILURES."""

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lib import atomic, jsonl
-from lib.log import OOM_RE, RunbookError, event
+from lib.log import HANG, OOM_RE, PEER_LOST_RE, RunbookError, event, failure
 from lib.tracking import Tracker
 
 CAFFEINATE = "/usr/bin/caffeinate"  # macOS; absent on Linux (tests point it at a fake)
@@ -94,6 +94,9 @@ def as_error(e: BaseException) -> RunbookError:
     if isinstance(e, (RuntimeError, MemoryError)) and OOM_RE.search(str(e)):
         return RunbookError(f"out of memory or GPU timeout: {e}; retry with the orchestrator's fallback "
                             "ladder (per-rank batch 1 with gradient accumulation)", "out-of-memory")
+    if isinstance(e, RuntimeError) and PEER_LOST_RE.search(str(e)):
+        return failure(HANG, f"{e}: another rank, its host or the cable went away mid-step; "
+                             "RESTARTS=N resumes from the newest verified checkpoint")
     traceback.print_exc()
     return RunbookError(f"{type(e).__name__}: {e}", "trainer")
 

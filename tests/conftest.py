@@ -15,6 +15,32 @@ sys.path.insert(0, str(ROOT))
 PY = sys.executable
 
 
+def ring_wait_preload() -> str | None:
+    """Build tests/waitpoll.c (a would-block recv/send of MLX's ring waits in poll(2), not a spin;
+    why, in its header) into a folder of this session's, or None where no C compiler exists."""
+    import atexit
+    import shutil
+    import tempfile
+
+    cc = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+    if not cc or sys.platform != "linux":
+        return None
+    out = Path(tempfile.mkdtemp(prefix="thunder-waitpoll-")) / "libwaitpoll.so"
+    atexit.register(shutil.rmtree, out.parent, True)
+    p = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(ROOT / "tests" / "waitpoll.c"), "-ldl"],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{cc} could not build tests/waitpoll.c:\n{p.stderr}")
+    return str(out)
+
+
+# Every process the tests start (and, through tests/fabric.py's sshd_config, every fabric session)
+# preloads it: two to four ranks share this machine's 2 cores, where a Mac gives each its own.
+WAITPOLL = ring_wait_preload()
+if WAITPOLL:
+    os.environ["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), WAITPOLL]))
+
+
 def run(cmd, check=True, **kw):
     """Run a command (argument list) from the repo root, capturing text output."""
     kw.setdefault("cwd", ROOT)

@@ -661,6 +661,23 @@ def test_out_of_memory_is_its_own_failure(tmp_path):
     assert f["category"] is None and code == FAILURES["oom"][1]
 
 
+def test_a_lost_peer_is_a_hang_that_restarts(tmp_path):
+    """The rank that notices a dead peer first may fail before mlx.launch stops it (seen on 4 fabric hosts with
+    a rank killed): its ring error is a hang / link partition, which RESTARTS resumes, not a trainer error."""
+    from lib import launch, rank
+
+    rep = rank.Reporter(tmp_path / "run", 2)
+    rep.step = 4
+    code = rank.fail(rank.as_error(RuntimeError("[ring] connection to a peer was lost")), rep, "L1")
+    f = failure(tmp_path / "run", 2)
+    assert (f["category"], f["anchor"], code) == ("hang / link partition", "hang-or-link-partition", 1), f
+    ev = {"failures": {0: {"kind": "error", "category": None, "message": "rank 2 failed"}, 2: f},
+          "joined": [0, 1, 2, 3]}
+    cat, why = launch.categorize(launch.LaunchResult(returncode=0, wall_s=50.0), ev, 4)
+    assert cat == "hang / link partition" and why.startswith("rank 2: [ring] connection to a peer was lost"), why
+    assert rank.as_error(RuntimeError("[ring] Rank cannot be larger than the size of the group")).kind == "error"
+
+
 def test_out_of_memory_ladder_keeps_the_global_batch():
     assert OOM_RE.search(METAL_OOM) and OOM_RE.search("kIOGPUCommandBufferCallbackErrorTimeout")
     assert not OOM_RE.search("ValueError: shapes do not match")
