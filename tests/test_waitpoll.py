@@ -6,7 +6,9 @@ What is proven here:
   and the bytes sent arrive whole and in order;
 - a rank of a real 2-rank mlx.launch (ring) that waits in all_sum for a rank still working
   uses a small part of a core, where without the library it spins most of one;
-- every fabric host's ssh session gets the library preloaded (tests/fabric.py's sshd_config).
+- every fabric host's ssh session gets the library preloaded (tests/fabric.py's sshd_config);
+- and, without it: lib/launch.py's stdin (STDIN_FILL bytes) fills an ssh rank's 2 MiB window, so
+  mlx.launch's per-rank select() waits; a fill of 256 KiB left it spinning over a core.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PY, WAITPOLL, run
+from conftest import PY, ROOT, WAITPOLL, run
 
-pytestmark = pytest.mark.skipif(not WAITPOLL, reason="no C compiler here: the ring's waits spin (slower tests)")
+needs_it = pytest.mark.skipif(not WAITPOLL, reason="no C compiler here: the ring's waits spin (slower tests)")
 
 SOCKETS = r"""
 import socket, time
@@ -61,6 +63,7 @@ def env_with(preload: bool) -> dict:
     return env
 
 
+@needs_it
 def test_recv_would_block_still_fails_and_the_bytes_arrive_whole():
     plain, shimmed = (subprocess.run([PY, "-c", SOCKETS], env=env_with(p), capture_output=True, text=True,
                                      check=True).stdout.split() for p in (False, True))
@@ -69,6 +72,7 @@ def test_recv_would_block_still_fails_and_the_bytes_arrive_whole():
     assert float(plain[0]) < 0.05 and float(shimmed[0]) > 0.1, (plain, shimmed)
 
 
+@needs_it
 def test_a_rank_waiting_in_all_sum_sleeps_instead_of_spinning(tmp_path):
     script = tmp_path / "waiter.py"
     script.write_text(WAITER)
@@ -82,8 +86,33 @@ def test_a_rank_waiting_in_all_sum_sleeps_instead_of_spinning(tmp_path):
     assert cpu[False] > 1.0 and cpu[True] < 0.5, cpu
 
 
+@needs_it
 @pytest.mark.fabric
 def test_every_fabric_session_preloads_it(fabric):
     for host in fabric.hosts:
         p = fabric.ssh(host, ["cat", "/proc/self/maps"], check=True)
         assert WAITPOLL in p.stdout, f"{host}: {WAITPOLL} not mapped"
+
+
+LAUNCHER = r"""
+import resource, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from lib import launch
+launch.STDIN_FILL = int(sys.argv[2])
+with launch.waiting_stdin() as fd:
+    subprocess.run([sys.argv[3], "--hostfile", sys.argv[4], "--backend", "ring", "--", "/bin/sleep", "4"],
+                   stdin=fd, capture_output=True, check=True)
+r = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(r.ru_utime + r.ru_stime)
+"""
+
+
+@pytest.mark.fabric
+def test_mlx_launch_over_ssh_waits_on_the_runbooks_stdin(fabric):
+    from lib import launch
+
+    cpu = {fill: float(run([PY, "-c", LAUNCHER, str(ROOT), str(fill), str(Path(PY).with_name("mlx.launch")),
+                            str(fabric.hostfile(2))], env=fabric.env(), timeout=60).stdout)
+           for fill in (1 << 18, launch.STDIN_FILL)}
+    # 4 s of two ranks over ssh: mlx.launch and its ssh clients; spinning, that is over a core
+    assert cpu[1 << 18] > 2.0 and cpu[launch.STDIN_FILL] < 1.0, cpu
