@@ -40,7 +40,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, chat, jsonl  # noqa: E402
+from lib import atomic, chat, jsonl, tracking  # noqa: E402
 from lib import checkpoint as ckpt  # noqa: E402
 from lib import config as C  # noqa: E402
 from lib.hashing import digest_of, sha256_file  # noqa: E402
@@ -128,6 +128,8 @@ def load_all(r) -> None:
     """The config, mlx-lm's load, its datasets tokenized now (a bad record names its line), the optimizer."""
     cfg = r.cfg = C.resolve(r.args.config, {key: getattr(r.args, key) for key, _ in FLAGS})
     r.per_rank = C.rank_batches(cfg, r.coll.size)  # records per rank: even, or by rank_shares
+    if not (r.coll.rank == 0 and cfg["report_to"] and not r.args.no_tracking):
+        tracking.without_wandb()  # before mlx-lm's import: only rank 0 of a tracked run starts W&B
     d, m, host, rep = Path(cfg["data"]), cfg["model"], socket.gethostname(), r.rep
     if not (d / "train.jsonl").is_file():  # the cheap checks before the slow load
         raise failure(DATA, f"dataset {d / 'train.jsonl' if d.is_dir() else d} not found on {host} (cwd "

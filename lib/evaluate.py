@@ -12,7 +12,7 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
-from lib import chat, config, jsonl, paths
+from lib import chat, config, jsonl, paths, tracking
 from lib.log import RunbookError, event
 
 SAMPLE_SEED, TOP_SOURCES = 0, 5  # the draw is the same for every run of a dataset; the rest is "other"
@@ -22,6 +22,7 @@ def models(model: str, adapters: dict, data_dir: Path, cfg: dict, test_batches: 
            max_tokens: int = 128) -> dict:
     """Test loss, loss by source and sample answers of the base model and each adapter (fingerprinted:
     every model must see the same test batches)."""
+    tracking.without_wandb()
     from mlx_lm.utils import load
 
     records = list(jsonl.read(data_dir / "test.jsonl"))  # export refuses an empty split

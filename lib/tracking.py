@@ -17,6 +17,7 @@ asks: mlx.launch starts remote ranks under `ssh -tt`, and without a key wandb wo
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -39,6 +40,12 @@ def describe(info: dict | None) -> str:
         return "-"
     where = info["url"] or f"`.venv/bin/wandb sync {info['dir']}` uploads it"
     return f"W&B {info['mode']} run {info['id']}: {where}"
+
+
+def without_wandb() -> None:
+    """For a process that does not track: mlx-lm's tuner imports wandb wherever it is installed (1.2 to 1.8 s
+    of CPU per process, on every rank); hidden, that import fails at once and mlx-lm leaves wandb alone."""
+    sys.modules.setdefault("wandb", None)
 
 
 class Tracker:

@@ -469,6 +469,14 @@ def test_a_rank_frozen_in_the_final_evaluation_is_a_hang(long_test_run):
 
 
 # ---- failure categories -------------------------------------------------------------------------------
+def test_a_process_that_does_not_track_skips_the_wandb_import():
+    """mlx-lm's tuner imports wandb wherever it is installed; a rank that does not track hides it first
+    (lib/tracking.without_wandb), and mlx-lm's callbacks take it as absent."""
+    code = ("import sys; from lib import tracking; tracking.without_wandb(); from mlx_lm.tuner import callbacks, "
+            "trainer; assert callbacks.wandb is None and sys.modules['wandb'] is None; print('ok')")
+    assert run([PY, "-c", code]).stdout.strip() == "ok"
+
+
 def test_tracking_never_stops_a_run(model, data, tmp_path):
     """#28: report_to: wandb with no API key goes offline, without a prompt on the terminal that mlx.launch's
     `ssh -tt` gives a remote rank (stdin and stderr a pty here: wandb asked, and read mlx.launch's newlines,
