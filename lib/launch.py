@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,9 +34,8 @@ from lib.log import CATEGORIES, HANG, OOM_RE, OTHER_FAILURES, PARITY, anchor_of,
 from lib.remote import rsh, run_on, ssh_argv
 
 STEP_RE = re.compile(r"(?:^|\s)iter (\d+)\b")
-# bytes: more than a rank's stdin takes in before it stays full (mlx.launch's select() then waits): a pipe
-# (64 KiB) for a local rank; over ssh, the session's 2 MiB channel window and two pipes (2.2 MB measured)
-STDIN_FILL = 8 << 20
+STDIN_FILL = 1 << 18  # bytes: over a local rank's pipe (64 KiB on Linux and macOS); remote ones: launch_env
+LAUNCH_SSH = paths.ROOT / "bin" / "launch-ssh"  # mlx.launch's ssh: the real one with -n
 PROGRESS_RE = re.compile(r"(?:^|\s)(?:progress|rank-joined) rank \d+ ")
 DONE_RE = re.compile(r"(?:^|\s)done step \d+")
 RANK_STEP_RE = re.compile(r"(?:^|\s)iter \d+ rank \d+ ")  # every step, every rank: logs only
@@ -133,6 +133,17 @@ class LaunchResult:
     step_times: list[float] = field(default_factory=list)
     done: bool = False  # rank 0 printed `done step N`: the trainer finished
     stopped: str | None = None  # the signal that stopped it on purpose (Ctrl-C, make stop)
+
+
+def launch_env(env: dict | None = None) -> dict:
+    """mlx.launch's environment: bin/launch-ssh first on PATH, the real ssh in THUNDER_SSH. Its ssh -tt reads
+    the stdin pipe mlx.launch polls; without -n, that poll spins until 2 MiB per rank (the session's window)
+    have crossed the link, and the rank's terminal echoes them into the launch log as blank lines."""
+    env = dict(os.environ if env is None else env)
+    real = shutil.which("ssh", path=env.get("PATH"))
+    if real and Path(real).parent != LAUNCH_SSH:
+        env["THUNDER_SSH"], env["PATH"] = real, f"{LAUNCH_SSH}{os.pathsep}{env.get('PATH', '')}"
+    return env
 
 
 def launch_argv(hostfile_path: str, hf: Hostfile, python: str, remote_root: str, trainer_args: list[str],
@@ -330,8 +341,9 @@ def launch_and_collect(args, hf: Hostfile, run_rel: str, targs: list[str], log_n
     # mlx.launch polls its stdin and each rank's stdin pipe: given /dev/null (always readable) and pipes with
     # room to write, it spins a core of this Mac. A stdin that stays open and enough bytes to fill a local
     # rank's pipe (no rank reads them) let its select() wait: 2 local ranks on 2 cores ran twice as fast.
+    # A remote rank's ssh closes its pipe (launch_env), so the first write there ends that poll.
     proc = subprocess.Popen(argv, cwd=paths.ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, env=launch_env())
     threading.Thread(target=feed, args=(proc.stdin, b"\n" * STDIN_FILL), daemon=True).start()
     guard = subprocess.Popen([sys.executable, "-c", supervisor.GUARD, str(proc.pid)], stdin=subprocess.PIPE,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

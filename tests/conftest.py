@@ -47,10 +47,10 @@ def run(cmd, check=True, **kw):
     kw.setdefault("capture_output", True)
     kw.setdefault("text", True)
     if Path(str(cmd[0])).name == "mlx.launch" and "stdin" not in kw and "input" not in kw:
-        from lib import launch  # its stdin lets mlx.launch's select() wait instead of spinning a core
+        from lib import launch  # its stdin and ssh let mlx.launch's select() wait instead of spinning a core
 
         with launch.waiting_stdin() as fd:
-            p = subprocess.run(cmd, stdin=fd, **kw)
+            p = subprocess.run(cmd, stdin=fd, **{**kw, "env": launch.launch_env(kw.get("env"))})
     else:
         p = subprocess.run(cmd, **kw)
     if check and p.returncode != 0:

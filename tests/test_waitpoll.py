@@ -7,8 +7,9 @@ What is proven here:
 - a rank of a real 2-rank mlx.launch (ring) that waits in all_sum for a rank still working
   uses a small part of a core, where without the library it spins most of one;
 - every fabric host's ssh session gets the library preloaded (tests/fabric.py's sshd_config);
-- and, without it: lib/launch.py's stdin (STDIN_FILL bytes) fills an ssh rank's 2 MiB window, so
-  mlx.launch's per-rank select() waits; a fill of 256 KiB left it spinning over a core.
+- and, without it: mlx.launch as lib/launch.py runs it (launch_env: its ssh with -n) neither spins
+  nor sends a byte of stdin to a remote rank; without launch_env it spins over a core and the ranks'
+  terminals echo stdin back into the output.
 """
 
 from __future__ import annotations
@@ -95,24 +96,26 @@ def test_every_fabric_session_preloads_it(fabric):
 
 
 LAUNCHER = r"""
-import resource, subprocess, sys
+import os, resource, subprocess, sys
 sys.path.insert(0, sys.argv[1])
 from lib import launch
-launch.STDIN_FILL = int(sys.argv[2])
+env = launch.launch_env() if sys.argv[2] == "launch_env" else dict(os.environ)
 with launch.waiting_stdin() as fd:
-    subprocess.run([sys.argv[3], "--hostfile", sys.argv[4], "--backend", "ring", "--", "/bin/sleep", "4"],
-                   stdin=fd, capture_output=True, check=True)
+    p = subprocess.run([sys.argv[3], "--hostfile", sys.argv[4], "--backend", "ring", "--", "/bin/sleep", "4"],
+                       stdin=fd, capture_output=True, check=True, env=env)
 r = resource.getrusage(resource.RUSAGE_CHILDREN)
-print(r.ru_utime + r.ru_stime)
+print(r.ru_utime + r.ru_stime, len(p.stdout))
 """
 
 
 @pytest.mark.fabric
-def test_mlx_launch_over_ssh_waits_on_the_runbooks_stdin(fabric):
-    from lib import launch
-
-    cpu = {fill: float(run([PY, "-c", LAUNCHER, str(ROOT), str(fill), str(Path(PY).with_name("mlx.launch")),
-                            str(fabric.hostfile(2))], env=fabric.env(), timeout=60).stdout)
-           for fill in (1 << 18, launch.STDIN_FILL)}
-    # 4 s of two ranks over ssh: mlx.launch and its ssh clients; spinning, that is over a core
-    assert cpu[1 << 18] > 2.0 and cpu[launch.STDIN_FILL] < 1.0, cpu
+def test_mlx_launch_over_ssh_waits_and_sends_nothing(fabric):
+    """mlx.launch as lib/launch.py runs it (its stdin, launch_env's ssh -n) against without launch_env."""
+    got = {how: run([PY, "-c", LAUNCHER, str(ROOT), how, str(Path(PY).with_name("mlx.launch")),
+                     str(fabric.hostfile(2))], env=fabric.env(), timeout=60).stdout.split()
+           for how in ("plain", "launch_env")}
+    (cpu_plain, echoed_plain), (cpu, echoed) = ((float(c), int(n)) for c, n in got.values())
+    # 4 s of two ranks over ssh (mlx.launch and its ssh clients): spinning, that is over a core, and the
+    # ranks' terminals echo the stdin bytes that reached them before `stty -echo` as blank lines
+    assert cpu_plain > 2.0 and echoed_plain > 1000, got
+    assert cpu < 1.0 and echoed == 0, got
