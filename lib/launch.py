@@ -152,9 +152,9 @@ def launch_argv(hostfile_path: str, hf: Hostfile, python: str, remote_root: str,
     if hf.size == 1:
         cmd = ["sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", remote_root, python, script, *trainer_args]
         return cmd if is_local(hf.hosts[0].ssh) else ssh_argv(hf.hosts[0].ssh, cmd)
-    # mlx.launch's per-rank threads poll an always-writable pipe and keep a core of this Mac busy: niced, they
-    # yield it to ranks that share this Mac over ssh (the test fabric's hosts). A local rank is its child and
-    # would inherit the nice value, so a launch with one is left as it is.
+    # mlx.launch's threads poll its pipes (launch_and_collect and launch_env keep that to a wait): niced,
+    # what is left yields to ranks that share this Mac over ssh (the test fabric's hosts). A local rank is its
+    # child and would inherit the nice value, so a launch with one is left as it is.
     nice = [] if any(is_local(h.ssh) for h in hf.hosts) else ["nice", "-n", "19"]
     argv = [*nice, str(Path(sys.executable).with_name("mlx.launch")), "--hostfile", hostfile_path,
             "--python", python, "--cwd", remote_root]
