@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -31,11 +30,10 @@ from lib.hashing import digest_of, iter_files, sha256_file, tree_hashes
 from lib.hostfile import Hostfile, is_local
 from lib.hostfile import load as load_hostfile
 from lib.log import CATEGORIES, HANG, OOM_RE, OTHER_FAILURES, PARITY, anchor_of, event
-from lib.remote import rsh, run_on, ssh_argv
+from lib.remote import launch_env, rsh, run_on, ssh_argv
 
 STEP_RE = re.compile(r"(?:^|\s)iter (\d+)\b")
 STDIN_FILL = 1 << 18  # bytes: over a local rank's pipe (64 KiB on Linux and macOS); remote ones: launch_env
-LAUNCH_SSH = paths.ROOT / "bin" / "launch-ssh"  # mlx.launch's ssh: the real one with -n
 PROGRESS_RE = re.compile(r"(?:^|\s)(?:progress|rank-joined) rank \d+ ")
 DONE_RE = re.compile(r"(?:^|\s)done step \d+")
 RANK_STEP_RE = re.compile(r"(?:^|\s)iter \d+ rank \d+ ")  # every step, every rank: logs only
@@ -133,17 +131,6 @@ class LaunchResult:
     step_times: list[float] = field(default_factory=list)
     done: bool = False  # rank 0 printed `done step N`: the trainer finished
     stopped: str | None = None  # the signal that stopped it on purpose (Ctrl-C, make stop)
-
-
-def launch_env(env: dict | None = None) -> dict:
-    """mlx.launch's environment: bin/launch-ssh first on PATH, the real ssh in THUNDER_SSH. Its ssh -tt reads
-    the stdin pipe mlx.launch polls; without -n, that poll spins until 2 MiB per rank (the session's window)
-    have crossed the link, and the rank's terminal echoes them into the launch log as blank lines."""
-    env = dict(os.environ if env is None else env)
-    real = shutil.which("ssh", path=env.get("PATH"))
-    if real and Path(real).parent != LAUNCH_SSH:
-        env["THUNDER_SSH"], env["PATH"] = real, f"{LAUNCH_SSH}{os.pathsep}{env.get('PATH', '')}"
-    return env
 
 
 def launch_argv(hostfile_path: str, hf: Hostfile, python: str, remote_root: str, trainer_args: list[str],

@@ -1,6 +1,7 @@
 """Run commands on hosts over ssh: always unattended, always argument lists (check-parity, provision,
-sync, calibrate, lib/launch.py). ssh never prompts (BatchMode, strict host keys) and times out;
-`SSH_CONFIG` adds `-F <file>`; every remote argument is shlex-quoted, so no value becomes shell text.
+sync, calibrate, lib/launch.py; launch_env for mlx.launch's own ssh). ssh never prompts (BatchMode,
+strict host keys) and times out; `SSH_CONFIG` adds `-F <file>`; every remote argument is shlex-quoted,
+so no value becomes shell text.
 Example: `run_on("mac5", ["uname", "-m"], timeout=10).stdout` -> `"arm64\\n"`.
 """
 
@@ -8,14 +9,29 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
+from lib import paths
 from lib.hostfile import check_hostname, is_local
 
 CONTROL_ENV = "THUNDER_SSH_CONTROL_DIR"  # set: one shared connection per host (sync's many calls)
 SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "ServerAliveInterval=5",
                "-o", "ServerAliveCountMax=3", "-o", "StrictHostKeyChecking=yes", "-o", "LogLevel=ERROR"]
+LAUNCH_SSH = paths.ROOT / "bin" / "launch-ssh"  # the ssh mlx.launch runs: the real one with -n (launch_env)
+
+
+def launch_env(env: dict | None = None) -> dict:
+    """mlx.launch's environment: bin/launch-ssh first on PATH, the real ssh in THUNDER_SSH. Its ssh -tt reads
+    the stdin pipe mlx.launch polls; without -n, that poll spins until 2 MiB per rank (the session's window)
+    have crossed the link, and the rank's terminal echoes them into the launch log as blank lines."""
+    env = dict(os.environ if env is None else env)
+    real = shutil.which("ssh", path=env.get("PATH"))
+    if real and Path(real).parent != LAUNCH_SSH:
+        env["THUNDER_SSH"], env["PATH"] = real, f"{LAUNCH_SSH}{os.pathsep}{env.get('PATH', '')}"
+    return env
 
 
 def ssh_options() -> list[str]:
