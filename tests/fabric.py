@@ -913,6 +913,21 @@ def rel(p: Path) -> str:
 # ---- the Python API (tests and reliability helpers) -------------------------------
 
 
+REACH = """import socket, sys, time
+deadline = time.monotonic() + 5
+while True:
+    try:
+        socket.create_connection((sys.argv[1], 22), 1).close()
+        break
+    except ConnectionRefusedError:
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.1)
+"""  # a TCP handshake to a host's sshd port, retried for 5 s (restore_link)
+
+
 class Fabric:
     """A running fabric, loaded from its state file. Fault methods record what they did
     so that `restore_all()` (and `down`) can undo it."""
@@ -1093,6 +1108,14 @@ class Fabric:
             sh(["ip", "link", "set", "dev", veth, "up"])
             wait_for(f"{veth} carrier", lambda: Path(f"/sys/class/net/{veth}/operstate").read_text().strip() == "up",
                      time.monotonic() + 3)
+            # After a long cut the other hosts' entries for it (and its for them) are failed or between ARP
+            # retries a second apart: a 1 s connect just after the restore could miss (check-parity's link.rtt)
+            sh(["ip", "neigh", "flush", "dev", self.state.get("bridge", self.spec.bridge)])
+            for h in self.state["hosts"]:
+                sh(["nsenter", "-t", str(h["anchor"]["pid"]), "-n", "--", "ip", "neigh", "flush", "all"])
+            for h in [h for h in self.state["hosts"] if h["name"] != name]:  # and each host reaches it again
+                sh(["nsenter", "-t", str(h["anchor"]["pid"]), "-n", "--", sys.executable, "-c", REACH,
+                    self.host(name)["ip"]], timeout=10)
             self._faults(name).pop("link", None)
             self._save()
         event("fabric fault", host=name, link="restored")
