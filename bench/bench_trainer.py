@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from lib import atomic  # noqa: E402
 from lib import config as C  # noqa: E402
-from lib.launch import launch_env, waiting_stdin  # noqa: E402
+from lib.launch import run_launcher  # noqa: E402
 
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 LAUNCH = str(Path(PY).with_name("mlx.launch"))
@@ -121,9 +121,8 @@ def launch(args, cmd: list[str]) -> tuple[subprocess.CompletedProcess, float, fl
     argv = [LAUNCH, "--hostfile", args.hostfile, "--backend", "ring", "--starting-port", str(free_port_pair()),
             "--", PY, *cmd]
     t0, c0 = time.monotonic(), children_cpu()
-    env = launch_env({**os.environ, "WANDB_MODE": "offline"})  # the tracked runs: never an upload from a benchmark
-    with waiting_stdin() as fd:  # as lib/launch.py gives them: mlx.launch's polling waits, not spins
-        p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=7200, env=env, stdin=fd)
+    env = {**os.environ, "WANDB_MODE": "offline"}  # the tracked runs: never an upload from a benchmark
+    p = run_launcher(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=7200)  # as lib/launch's
     return p, time.monotonic() - t0, children_cpu() - c0
 
 

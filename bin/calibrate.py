@@ -20,7 +20,7 @@ Writes runs/calibration-<UTC>.json. Exit 0 written, 1 a phase failed (nothing wr
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import math
 import os
@@ -334,10 +334,9 @@ def run_probe(argv: list[str], timeout: float, what: str, fix: str, category: st
     """Run a probe (its events and errors reach the terminal as they come): its result, else an error."""
     launcher = any(Path(a).name == "mlx.launch" for a in argv[:4])  # its stdin and ssh as a training run's
     try:
-        with launch.waiting_stdin() if launcher else contextlib.nullcontext(subprocess.DEVNULL) as stdin:
-            p = subprocess.run(argv, cwd=paths.ROOT, stdin=stdin, stdout=subprocess.PIPE, text=True,
-                               errors="replace", timeout=timeout, start_new_session=True,
-                               env=launch.launch_env() if launcher else None)
+        run = launch.run_launcher if launcher else functools.partial(subprocess.run, stdin=subprocess.DEVNULL)
+        p = run(argv, cwd=paths.ROOT, stdout=subprocess.PIPE, text=True, errors="replace", timeout=timeout,
+                start_new_session=True)
         why = f"exit {p.returncode}" if p.returncode or RESULT not in p.stdout else ""
     except subprocess.TimeoutExpired:  # the orchestrator then stops what is left of the probe on every host
         why = f"timed out after {timeout:g} s"

@@ -194,15 +194,14 @@ def feed(pipe, data: bytes) -> None:
         pipe.flush()
 
 
-@contextlib.contextmanager
-def waiting_stdin():
-    """A stdin fd for an mlx.launch run with subprocess.run (tests, bench), as launch_and_collect gives its
-    own: open until the run ends, fed STDIN_FILL bytes, so that mlx.launch's select() waits."""
+def run_launcher(argv: list[str], env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run for mlx.launch (calibrate, tests, bench) with what launch_and_collect gives it: a stdin
+    pipe open until the run ends, fed STDIN_FILL bytes, and launch_env's ssh, so that its select() waits."""
     r, w = os.pipe()
     (t := threading.Thread(target=feed, args=(os.fdopen(w, "wb", closefd=False), b"\n" * STDIN_FILL),
                            daemon=True)).start()
     try:
-        yield r
+        return subprocess.run(argv, stdin=r, env=launch_env(env), **kw)
     finally:
         os.close(r)  # a writer still blocked on a full pipe gets EPIPE now
         t.join(timeout=5)

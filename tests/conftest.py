@@ -49,8 +49,7 @@ def run(cmd, check=True, **kw):
     if Path(str(cmd[0])).name == "mlx.launch" and "stdin" not in kw and "input" not in kw:
         from lib import launch  # its stdin and ssh let mlx.launch's select() wait instead of spinning a core
 
-        with launch.waiting_stdin() as fd:
-            p = subprocess.run(cmd, stdin=fd, **{**kw, "env": launch.launch_env(kw.get("env"))})
+        p = launch.run_launcher(cmd, **kw)
     else:
         p = subprocess.run(cmd, **kw)
     if check and p.returncode != 0:

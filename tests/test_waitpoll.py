@@ -96,13 +96,13 @@ def test_every_fabric_session_preloads_it(fabric):
 
 
 LAUNCHER = r"""
-import os, resource, subprocess, sys
+import os, resource, sys
 sys.path.insert(0, sys.argv[1])
 from lib import launch
-env = launch.launch_env() if sys.argv[2] == "launch_env" else dict(os.environ)
-with launch.waiting_stdin() as fd:
-    p = subprocess.run([sys.argv[3], "--hostfile", sys.argv[4], "--backend", "ring", "--", "/bin/sleep", "4"],
-                       stdin=fd, capture_output=True, check=True, env=env)
+if sys.argv[2] == "plain":  # the same stdin, with the environment as it is (the real ssh, no -n)
+    launch.launch_env = lambda env=None: dict(os.environ if env is None else env)
+p = launch.run_launcher([sys.argv[3], "--hostfile", sys.argv[4], "--backend", "ring", "--", "/bin/sleep", "4"],
+                        capture_output=True, check=True)
 r = resource.getrusage(resource.RUSAGE_CHILDREN)
 print(r.ru_utime + r.ru_stime, len(p.stdout))
 """
@@ -110,7 +110,7 @@ print(r.ru_utime + r.ru_stime, len(p.stdout))
 
 @pytest.mark.fabric
 def test_mlx_launch_over_ssh_waits_and_sends_nothing(fabric):
-    """mlx.launch as lib/launch.py runs it (its stdin, launch_env's ssh -n) against without launch_env."""
+    """mlx.launch as run_launcher runs it (its stdin, launch_env's ssh -n) against without launch_env."""
     got = {how: run([PY, "-c", LAUNCHER, str(ROOT), how, str(Path(PY).with_name("mlx.launch")),
                      str(fabric.hostfile(2))], env=fabric.env(), timeout=60).stdout.split()
            for how in ("plain", "launch_env")}
