@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,8 +21,6 @@ def ring_wait_preload() -> str | None:
     """Build tests/waitpoll.c (a would-block recv/send of MLX's ring waits in poll(2), not a spin;
     why, in its header) into a folder of this session's, or None where no C compiler exists."""
     import atexit
-    import shutil
-    import tempfile
 
     cc = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
     if not cc or sys.platform != "linux":
@@ -36,8 +36,8 @@ def ring_wait_preload() -> str | None:
 
 # Every process the tests start (and, through tests/fabric.py's sshd_config, every fabric session)
 # preloads it: two to four ranks share this machine's 2 cores, where a Mac gives each its own.
-WAITPOLL = ring_wait_preload()
-if WAITPOLL:
+WAITPOLL = os.environ.get("THUNDER_WAITPOLL") or ring_wait_preload()  # the tests beside share this session's
+if WAITPOLL and WAITPOLL not in os.environ.get("LD_PRELOAD", "").split():
     os.environ["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), WAITPOLL]))
 
 
@@ -142,6 +142,55 @@ def demo_inputs():
     make("export", "CORPUS=datasets/sample/corpus.jsonl", f"DATASET={SAMPLE_DATASET}")
 
 
+# ---- tests marked `beside` run in a second pytest (issue #25: make test within 15 minutes) ----------
+BESIDE = "THUNDER_TESTS_BESIDE"  # set in the second pytest: it runs what it is given, nothing beside
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(session, config, items):
+    """Tests marked `beside` share nothing with the others: a fresh clone of their own, or run names,
+    models and datasets of their own, no fabric and nothing synced. So when they come with others they
+    run in a second pytest beside this one (_beside), which uses the core this one leaves idle while it
+    waits on links, watchdogs and ssh. This one waits for it at the end, shows its report and fails
+    when it failed."""
+    beside = [i.nodeid for i in items if i.get_closest_marker("beside")]
+    if os.environ.get(BESIDE) or not beside or len(beside) == len(items) or config.option.collectonly:
+        return
+    items[:] = [i for i in items if not i.get_closest_marker("beside")]
+    tmp = Path(tempfile.mkdtemp(prefix="thunder-beside-"))
+    config.beside = {"ids": beside, "proc": None, "tmp": tmp, "log": tmp / "pytest.log"}
+
+
+@pytest.fixture(autouse=True)
+def _beside(request, demo_inputs):
+    """Start the tests beside, once: after demo_inputs, which they would otherwise build at the same time
+    (theirs are then no-ops)."""
+    b = getattr(request.config, "beside", None)
+    if b and b["proc"] is None:
+        with open(b["log"], "w") as log:
+            b["proc"] = subprocess.Popen(
+                [PY, "-m", "pytest", "-p", "no:cacheprovider", "--basetemp", str(b["tmp"] / "t"), *b["ids"]],
+                cwd=ROOT, env=dict(os.environ, **{BESIDE: "1", "THUNDER_WAITPOLL": WAITPOLL or ""}),
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if tr := request.config.pluginmanager.get_plugin("terminalreporter"):
+            tr.write_line(f"\n{len(b['ids'])} tests marked `beside` run in a second pytest: tail -f {b['log']}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Wait for the tests beside (stop them on an interrupt); their failure is this session's."""
+    if not (b := getattr(session.config, "beside", None)):
+        return
+    if b["proc"] is None:  # no test of this session got as far as demo_inputs
+        b["log"].write_text("not started: this session's demo_inputs did not stand\n")
+        b["rc"] = 2
+    else:
+        if exitstatus == pytest.ExitCode.INTERRUPTED:
+            b["proc"].terminate()
+        b["rc"] = b["proc"].wait()
+    if b["rc"] != 0 and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 # ---- the multi-host test fabric (tests/fabric.py; issue #3) --------------------------------
 def require_fabric():
     """tests/fabric.py as a module, or skip (fail under REQUIRE_FABRIC=1) saying why a fabric
@@ -184,8 +233,28 @@ def fabric_faults(fabric):
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_terminal_summary(terminalreporter):
-    """Say, at the end, how many fabric tests were skipped and why (README.md#requirements)."""
+def pytest_terminal_summary(terminalreporter, config):
+    """Say, at the end, how many fabric tests were skipped and why (README.md#requirements); then the
+    report of the tests that ran beside (pytest_collection_modifyitems)."""
+    fabric_skips(terminalreporter)
+    if b := getattr(config, "beside", None):
+        rc = b["rc"]
+        terminalreporter.write_sep("=", f"{len(b['ids'])} tests marked `beside`, run in a second pytest: "
+                                        f"{'passed' if rc == 0 else f'exit {rc}'}", green=rc == 0, red=rc != 0)
+        terminalreporter.write(b["log"].read_text(errors="replace"))
+
+
+def pytest_unconfigure(config):
+    """The last line: the tests beside, after this session's own count (pytest's line above this)."""
+    if (b := getattr(config, "beside", None)) and (tr := config.pluginmanager.get_plugin("terminalreporter")):
+        lines = b["log"].read_text(errors="replace").splitlines() if b["log"].exists() else []
+        last = ([ln.strip(" =") for ln in lines if ln.startswith("=")] or [f"exit {b.get('rc')}"])[-1]
+        tr.write_sep("=", f"beside: {last} (the {len(b['ids'])} tests marked `beside`)", green=b.get("rc") == 0,
+                     red=b.get("rc") != 0)
+        shutil.rmtree(b["tmp"], ignore_errors=True)
+
+
+def fabric_skips(terminalreporter):
     skipped = [r for r in terminalreporter.stats.get("skipped", [])
                if "multi-host fabric unavailable" in str(getattr(r, "longrepr", ""))]
     if skipped:

@@ -21,6 +21,8 @@ from conftest import PY, ROOT, run
 from lib import chat
 from lib import config as C
 
+pytestmark = pytest.mark.beside  # beside the rest (tests/conftest.py)
+
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HTTPS_PROXY": "http://127.0.0.1:9"}
 SPECIALS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "<|tool>": 46, "<tool|>": 47,
             "<|tool_call>": 48, "<tool_call|>": 49, "<|tool_response>": 50, "<tool_response|>": 51, '<|"|>': 52,

@@ -22,6 +22,8 @@ from conftest import PY, ROOT
 
 from lib import checkpoint as ckpt
 
+pytestmark = pytest.mark.beside  # beside the rest (tests/conftest.py)
+
 
 def payload(step: int, name: str, size: int = 4096) -> bytes:
     """Deterministic content of file `name` of checkpoint `step`."""

@@ -27,6 +27,8 @@ from lib import atomic, launch
 from lib.hashing import digest_of, sha256_file, tree_hashes
 from lib.log import CATEGORIES, anchor_of
 
+pytestmark = pytest.mark.beside  # beside the rest (tests/conftest.py)
+
 spec = importlib.util.spec_from_file_location("compare", ROOT / "bin" / "compare.py")
 compare = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(compare)

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 from conftest import PY, ROOT, make, run
 
+pytestmark = pytest.mark.beside  # beside the rest (tests/conftest.py)
+
 MODEL = ROOT / "models" / "tiny-gemma4"
 REASONS = ["blank_line", "non_utf8", "invalid_json", "not_an_object", "missing_content",
            "empty_content", "non_string_content", "bad_messages", "role_order", "bad_weight",

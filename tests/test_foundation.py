@@ -182,3 +182,31 @@ def test_atomic_writes_get_ordinary_permissions(tmp_path):
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "f").stat().st_mode) == 0o644
     assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o755
+
+
+@pytest.mark.parametrize("beside_passes", [True, False])
+def test_tests_marked_beside_run_beside_and_their_failure_is_the_sessions(beside_passes):
+    """#25: tests marked `beside` run in a second pytest beside the rest (make test's wall time); the
+    session waits for them, shows their report, and fails when they failed, though its own passed."""
+    name = f"test_beside_{os.getpid()}_{int(beside_passes)}"
+    files = [ROOT / "tests" / f"{name}_a.py", ROOT / "tests" / f"{name}_b.py"]
+    files[0].write_text("import os\n\n\ndef test_here():\n    assert not os.environ.get('THUNDER_TESTS_BESIDE')\n")
+    files[1].write_text("import os\n\nimport pytest\n\n\n@pytest.mark.beside\ndef test_beside():\n"
+                        "    assert os.environ.get('THUNDER_TESTS_BESIDE') == '1'\n"
+                        f"    assert {beside_passes}, 'the test beside failed'\n")
+    try:
+        p = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, files)], check=False,
+                timeout=300)
+    finally:
+        for f in files:
+            f.unlink()
+    out = p.stdout
+    own, last = out.strip().splitlines()[-2:]
+    assert re.fullmatch(r"1 passed in \S+", own), out  # this session's own test, here
+    assert re.fullmatch(rf"=+ beside: 1 {'passed' if beside_passes else 'failed'} in \S+ \(the 1 tests marked "
+                        r"`beside`\) =+", last), out
+    if beside_passes:
+        assert p.returncode == 0 and "1 tests marked `beside`, run in a second pytest: passed" in out, out
+    else:
+        assert p.returncode == 1 and "run in a second pytest: exit 1" in out, out
+        assert "AssertionError: the test beside failed" in out, out

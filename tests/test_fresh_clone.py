@@ -24,7 +24,7 @@ from conftest import MAKE, ROOT, require_fabric, run
 from support import path_without
 from test_demo import check_report, check_run_folder
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.beside]  # beside the rest (tests/conftest.py)
 
 
 def sh_blocks(doc: str) -> list[str]:

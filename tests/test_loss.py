@@ -24,6 +24,8 @@ from mlx_lm.utils import load
 from lib import loss as L
 from lib.log import RunbookError
 
+pytestmark = pytest.mark.beside  # beside the rest (tests/conftest.py)
+
 LORA = {"rank": 4, "scale": 20.0, "dropout": 0.0}
 
 

@@ -20,6 +20,8 @@ from conftest import PY, make, run
 
 from lib.hashing import sha256_file
 
+pytestmark = pytest.mark.beside  # beside the rest (tests/conftest.py)
+
 REPO = "thunder-test/tiny-gemma4-released"
 C1, C2 = "1" * 40, "2" * 40  # two commits: main moves from C1 to C2 in one test
 

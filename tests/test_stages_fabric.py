@@ -7,8 +7,11 @@ hostfile and the ssh config differ from the real thing.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -108,7 +111,9 @@ def test_sync_killed_mid_transfer_keeps_previous_dataset(fabric_faults, tmp_path
     kill_sync_mid_transfer([PY, "bin/sync.py", "--hostfile", str(hf), "--remote-root", fabric.remote_root,
                             "--dataset", DATASET, "--bwlimit", "100"], ddir.parent / f".{DATASET}.incoming",
                            env=fabric.env(), wait_s=30)
-    fabric.ssh("fab3", ["pkill", "-KILL", "rsync"])  # the receiving side of the killed transfer
+    for proc in fabric.procs("fab3", r"\brsync\b"):  # the receiving side of the killed transfer: fab3's alone
+        with contextlib.suppress(ProcessLookupError):  # (pkill would reach every rsync of this machine)
+            os.kill(proc["pid"], signal.SIGKILL)
     assert {f.name: f.read_bytes() for f in ddir.iterdir()} == stale, "the dataset changed mid-sync"
     fmake(fabric, "sync", *fab_vars(fabric, hosts, "fab-sync-kill"))
     assert {f.name: f.read_bytes() for f in ddir.iterdir()} == before

@@ -20,6 +20,8 @@ from conftest import PY, ROOT, make, run
 from lib.hashing import sha256_file
 from lib.log import RunbookError
 
+pytestmark = pytest.mark.beside  # beside the rest (tests/conftest.py)
+
 ARCHS = ("gemma4", "llama")
 OFFLINE = {
     "HF_HUB_OFFLINE": "1",

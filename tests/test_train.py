@@ -60,7 +60,7 @@ seed: 3
 keep_last_k: 2
 """
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.beside]  # beside the rest (tests/conftest.py)
 
 
 # ---- fixtures ----------------------------------------------------------------------------------

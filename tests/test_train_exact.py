@@ -29,6 +29,8 @@ from test_train import MODEL, events, launch, max_abs_diff, tensors, train_args,
 
 from lib import config as C
 
+pytestmark = pytest.mark.beside  # beside the rest (tests/conftest.py)
+
 CONFIG = """\
 fine_tune_type: lora
 num_layers: -1
