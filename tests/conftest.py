@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 PY = sys.executable
+SESSION = os.environ.setdefault("THUNDER_TEST_SESSION", str(os.getpid()))  # the tests beside take this one's
 
 
 def ring_wait_preload() -> str | None:
@@ -153,8 +154,11 @@ def pytest_collection_modifyitems(session, config, items):
     run in a second pytest beside this one (_beside), which uses the core this one leaves idle while it
     waits on links, watchdogs and ssh. This one waits for it at the end, shows its report and fails
     when it failed."""
+    if os.environ.get(BESIDE) or config.option.collectonly:
+        return
+    write_operator_configs(config, {i.module for i in items})
     beside = [i.nodeid for i in items if i.get_closest_marker("beside")]
-    if os.environ.get(BESIDE) or not beside or len(beside) == len(items) or config.option.collectonly:
+    if not beside or len(beside) == len(items):
         return
     items[:] = [i for i in items if not i.get_closest_marker("beside")]
     tmp = Path(tempfile.mkdtemp(prefix="thunder-beside-"))
@@ -176,8 +180,32 @@ def _beside(request, demo_inputs):
             tr.write_line(f"\n{len(b['ids'])} tests marked `beside` run in a second pytest: tail -f {b['log']}")
 
 
+def write_operator_configs(config, modules) -> None:
+    """The configs a test module's runs read from configs/ (its OPERATOR_CONFIGS: {file name: text}), where an
+    operator's own go: sync sends them with the code. configs/ is part of every smoke stamp and every
+    code-parity check, so they are all written before the first test and removed after the last (and after
+    the tests beside): no test changes configs/ while another runs."""
+    config.operator_configs = []
+    for name, text in sorted({k: v for m in modules for k, v in getattr(m, "OPERATOR_CONFIGS", {}).items()}.items()):
+        path = ROOT / "configs" / name
+        if path.exists() and path.read_text() != text:
+            raise pytest.UsageError(f"{path} exists with other content, and a test's config would replace it: "
+                                    "move it away (a test session stopped by kill -9 leaves its own there)")
+        path.write_text(text)
+        config.operator_configs.append(path)
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Wait for the tests beside (stop them on an interrupt); their failure is this session's."""
+    """Wait for the tests beside (stop them on an interrupt); their failure is this session's. Then remove
+    the configs written for this session (write_operator_configs)."""
+    try:
+        wait_beside(session, exitstatus)
+    finally:
+        for path in getattr(session.config, "operator_configs", []):
+            path.unlink(missing_ok=True)
+
+
+def wait_beside(session, exitstatus):
     if not (b := getattr(session.config, "beside", None)):
         return
     if b["proc"] is None:  # no test of this session got as far as demo_inputs

@@ -16,15 +16,22 @@ import re
 import shutil
 
 import pytest
-from conftest import PY, ROOT, make, require_fabric, run
+from conftest import PY, ROOT, SESSION, make, require_fabric, run
 from support import wandb_mismatches
 from test_demo import check_report
 from test_model import hub_cache
 from test_stages_fabric import check_smoke
 
 HUB_REPO = "thunder-test/realrun-gemma4"
+NAME = f"realrun-{SESSION}"
+# The demo recipe at 8 steps (make test's budget), in configs/ as an operator's own config would be (sync
+# sends configs/ with the code; conftest writes it before the first test); CONFIG is a setting like the others.
+# It tracks with W&B as configs/stage1.yaml does; no API key here, so online fails and it goes offline.
+OPERATOR_CONFIGS = {f"{NAME}.yaml": (ROOT / "configs/demo.yaml").read_text().replace("iters: 20", "iters: 8")
+                    .replace("save_every: 10", "save_every: 4").replace("steps_per_eval: 10", "steps_per_eval: 4")
+                    + "report_to: wandb\nproject_name: thunder-test\n"}
 
-pytestmark = [pytest.mark.fabric, pytest.mark.slow]
+pytestmark = [pytest.mark.fabric, pytest.mark.slow, pytest.mark.beside]  # a fabric of its own (conftest.py)
 
 
 def runbook_block() -> list[str]:
@@ -72,7 +79,7 @@ def fresh_fabric():
 
 def test_the_real_run_as_written_on_fresh_hosts(fresh_fabric, tmp_path):
     fab = fresh_fabric
-    name = f"realrun-{os.getpid()}"
+    name = NAME
     model = f"models/{name}-released-q4"
     for h in fab.hosts:  # fresh: nothing under REMOTE_ROOT
         assert not any(fab.backing_dir(h).iterdir()), f"{h} is not fresh"
@@ -81,13 +88,6 @@ def test_the_real_run_as_written_on_fresh_hosts(fresh_fabric, tmp_path):
     model_src = tmp_path / "released"
     run([PY, "demo/make_tiny_model.py", "--arch", "gemma4", "--layout", "released", "--out", str(model_src)])
     hub_cache(tmp_path / "hf" / "hub", HUB_REPO, model_src, "3" * 40, ("main",))
-    # The demo recipe at 8 steps (make test's budget), in configs/ as an operator's own config would be
-    # (sync sends configs/ with the code); CONFIG is a setting like the others.
-    run_config = ROOT / "configs" / f"{name}.yaml"
-    # It tracks with W&B as configs/stage1.yaml does; no API key here, so online fails and it goes offline.
-    run_config.write_text((ROOT / "configs/demo.yaml").read_text().replace("iters: 20", "iters: 8")
-                      .replace("save_every: 10", "save_every: 4").replace("steps_per_eval: 10", "steps_per_eval: 4")
-                      + "report_to: wandb\nproject_name: thunder-test\n")
     settings = tmp_path / "settings.mk"
     settings.write_text("\n".join([
         f"HOSTFILE    = {fab.hostfile(2)}",
@@ -136,7 +136,6 @@ def test_the_real_run_as_written_on_fresh_hosts(fresh_fabric, tmp_path):
         shutil.rmtree(ROOT / "runs" / f"{name}-control", ignore_errors=True)
         shutil.rmtree(ROOT / "datasets" / name, ignore_errors=True)
         shutil.rmtree(ROOT / model, ignore_errors=True)
-        run_config.unlink(missing_ok=True)
         for st in (ROOT / ".stamps").glob(f"*{name}*"):
             st.unlink()
 

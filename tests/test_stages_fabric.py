@@ -127,6 +127,10 @@ def test_sync_killed_mid_transfer_keeps_previous_dataset(fabric_faults, tmp_path
 # re-normalized over the same global batch of 6 (4 and 2 records). With token-weighted gradients every
 # split computes the control's step, so the adapter and every step's loss equal the control's.
 SHARES = {3: [3, 2, 1], 4: [3, 1, 1, 1]}
+_smoke = {n: (ROOT / "configs" / "smoke.yaml").read_text() + f"rank_shares: {s}\n" for n, s in SHARES.items()}
+# In configs/, as an operator's own (sync sends them with the code); conftest writes them before the first test
+OPERATOR_CONFIGS = {**{f"fab-hosts-{n}-smoke.yaml": text for n, text in _smoke.items()},
+                    **{f"fab-hosts-{n}-train.yaml": text.replace("iters: 6", "iters: 12") for n, text in _smoke.items()}}
 
 
 @pytest.mark.parametrize("n", [3, 4])
@@ -135,61 +139,54 @@ def test_shares_on_n_hosts_smoke_train_killed_rank_control_compare(fabric_faults
     from safetensors.numpy import load_file
 
     fabric, hosts, run = fabric_faults, fabric_faults.hosts[:n], f"fab-hosts-{n}"
-    smoke_cfg, train_cfg = (ROOT / "configs" / f"{run}-{k}.yaml" for k in ("smoke", "train"))  # sync sends configs/
-    smoke_cfg.write_text((ROOT / "configs" / "smoke.yaml").read_text() + f"rank_shares: {SHARES[n]}\n")
-    train_cfg.write_text(smoke_cfg.read_text().replace("iters: 6", "iters: 12"))
     v = fab_vars(fabric, hosts, run, SMOKE_CONFIG=f"configs/{run}-smoke.yaml", CONFIG=f"configs/{run}-train.yaml")
-    try:
-        p = fmake(fabric, "smoke", *v, timeout=900)
-        assert f"{n}/{n} ranks joined with world size [{n}]" in p.stdout
-        check_smoke(run, fabric, hosts)
-        logs = ROOT / f"runs/{run}/smoke/logs"
-        assert [json.loads((logs / f"rank-{r}.joined.json").read_text())["rank_batch"] for r in range(n)] == SHARES[n]
+    p = fmake(fabric, "smoke", *v, timeout=900)
+    assert f"{n}/{n} ranks joined with world size [{n}]" in p.stdout
+    check_smoke(run, fabric, hosts)
+    logs = ROOT / f"runs/{run}/smoke/logs"
+    assert [json.loads((logs / f"rank-{r}.joined.json").read_text())["rank_batch"] for r in range(n)] == SHARES[n]
 
-        out = {}
-        # WATCHDOG short enough to see the cut cable soon, long enough for 3 ranks loading on 2 cores; 4
-        # ranks on 2 cores go quiet for 20 s while loading: the default window (300 s) for the kill alone
-        extra = ["RESTARTS=2", "FALLBACK=1", "WATCHDOG=30"] if n == 3 else ["RESTARTS=1"]
-        t = threading.Thread(target=lambda: out.__setitem__("p", fmake(fabric, "train", *v, *extra, check=False,
-                                                                       timeout=900)))
-        t.start()
-        wait_step(run, 4)
-        assert fabric.kill(hosts[-1], r"bin/train\.py"), f"no rank process on {hosts[-1]}"
-        if n == 3:
-            wait_step(run, 8)  # the relaunch, past the checkpoint at step 6
-            fabric.cut_link(hosts[-1])
-        t.join(timeout=900)
-        assert not t.is_alive(), f"make train {run} did not end"
-        summary = json.loads((ROOT / f"runs/{run}/train.json").read_text())
-        assert out["p"].returncode == 0 and summary["ok"], (out["p"].stdout[-3000:], summary)
-        assert len(summary["attempts"]) == (2 if n == 3 else 1), summary["attempts"]
-        if n == 3:
-            assert summary["fallback"]["lost"] == [hosts[-1]] and summary["world_size"] == 2, summary
-            assert summary["rank_batches"] == [4, 2], summary["rank_batches"]  # 3 : 2 of the same 6
-        else:
-            assert summary["world_size"] == 4 and summary["rank_batches"] == SHARES[4], summary
-        fabric.restore_all()  # the control and compare run on fab1, as they would after a bad night
+    out = {}
+    # WATCHDOG short enough to see the cut cable soon, long enough for 3 ranks loading on 2 cores; 4
+    # ranks on 2 cores go quiet for 20 s while loading: the default window (300 s) for the kill alone
+    extra = ["RESTARTS=2", "FALLBACK=1", "WATCHDOG=30"] if n == 3 else ["RESTARTS=1"]
+    t = threading.Thread(target=lambda: out.__setitem__("p", fmake(fabric, "train", *v, *extra, check=False,
+                                                                   timeout=900)))
+    t.start()
+    wait_step(run, 4)
+    assert fabric.kill(hosts[-1], r"bin/train\.py"), f"no rank process on {hosts[-1]}"
+    if n == 3:
+        wait_step(run, 8)  # the relaunch, past the checkpoint at step 6
+        fabric.cut_link(hosts[-1])
+    t.join(timeout=900)
+    assert not t.is_alive(), f"make train {run} did not end"
+    summary = json.loads((ROOT / f"runs/{run}/train.json").read_text())
+    assert out["p"].returncode == 0 and summary["ok"], (out["p"].stdout[-3000:], summary)
+    assert len(summary["attempts"]) == (2 if n == 3 else 1), summary["attempts"]
+    if n == 3:
+        assert summary["fallback"]["lost"] == [hosts[-1]] and summary["world_size"] == 2, summary
+        assert summary["rank_batches"] == [4, 2], summary["rank_batches"]  # 3 : 2 of the same 6
+    else:
+        assert summary["world_size"] == 4 and summary["rank_batches"] == SHARES[4], summary
+    fabric.restore_all()  # the control and compare run on fab1, as they would after a bad night
 
-        fmake(fabric, "control", *v, "CONTROL_HOST=fab1")
-        p = fmake(fabric, "compare", *v, "MIN_SPEEDUP=0", "TEST_BATCHES=4", "SAMPLES=1", "MAX_TOKENS=8", check=False)
-        rep = json.loads((ROOT / f"runs/{run}/compare/report.json").read_text())
-        assert p.returncode == 0 and rep["verdict"] == "pass", (p.stdout[-3000:], rep["reasons"])
-        exact = rep["loss"]["exact"]
-        assert exact["ok"] and exact["steps"] == 12 and exact["max_rel"] <= 1e-5, exact
-        assert rep["runs"]["dual"]["rank_batches"] == summary["rank_batches"], rep["runs"]["dual"]
-        # Validation splits each global batch as training does (6 records need not divide by 4 ranks):
-        # every validation loss is the control's.
-        dval, cval = (losses(r, "val") for r in (run, f"{run}-control"))
-        assert dval.keys() == cval.keys() and len(dval) >= 2, (dval, cval)
-        assert all(abs(dval[k] - cval[k]) <= 1e-5 * abs(cval[k]) for k in dval), (dval, cval)
-        dual, ctl = (load_file(str(ROOT / f"runs/{r}/adapters/adapters.safetensors")) for r in (run, f"{run}-control"))
-        assert dual.keys() == ctl.keys()
-        diff = max(float(np.max(np.abs(dual[k].astype(np.float64) - ctl[k].astype(np.float64)))) for k in dual)
-        assert diff <= 1e-5, diff
-        assert not any(no_trainer_left(fabric, hosts).values()), "a rank process outlived the run"
-    finally:
-        smoke_cfg.unlink(missing_ok=True)
-        train_cfg.unlink(missing_ok=True)
+    fmake(fabric, "control", *v, "CONTROL_HOST=fab1")
+    p = fmake(fabric, "compare", *v, "MIN_SPEEDUP=0", "TEST_BATCHES=4", "SAMPLES=1", "MAX_TOKENS=8", check=False)
+    rep = json.loads((ROOT / f"runs/{run}/compare/report.json").read_text())
+    assert p.returncode == 0 and rep["verdict"] == "pass", (p.stdout[-3000:], rep["reasons"])
+    exact = rep["loss"]["exact"]
+    assert exact["ok"] and exact["steps"] == 12 and exact["max_rel"] <= 1e-5, exact
+    assert rep["runs"]["dual"]["rank_batches"] == summary["rank_batches"], rep["runs"]["dual"]
+    # Validation splits each global batch as training does (6 records need not divide by 4 ranks):
+    # every validation loss is the control's.
+    dval, cval = (losses(r, "val") for r in (run, f"{run}-control"))
+    assert dval.keys() == cval.keys() and len(dval) >= 2, (dval, cval)
+    assert all(abs(dval[k] - cval[k]) <= 1e-5 * abs(cval[k]) for k in dval), (dval, cval)
+    dual, ctl = (load_file(str(ROOT / f"runs/{r}/adapters/adapters.safetensors")) for r in (run, f"{run}-control"))
+    assert dual.keys() == ctl.keys()
+    diff = max(float(np.max(np.abs(dual[k].astype(np.float64) - ctl[k].astype(np.float64)))) for k in dual)
+    assert diff <= 1e-5, diff
+    assert not any(no_trainer_left(fabric, hosts).values()), "a rank process outlived the run"
 
 
 def check_smoke(run, fabric, hosts):
