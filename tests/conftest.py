@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,7 +64,6 @@ def run(cmd, check=True, **kw):
 def kill_sync_mid_transfer(argv: list[str], staging: Path, env: dict | None = None, wait_s: float = 20) -> None:
     """Start a (bandwidth-limited) `bin/sync.py` argv, wait until its transfer has created the
     staging folder, let it run half a second more, then SIGKILL its whole process group."""
-    import signal
     import time
 
     p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -150,10 +150,9 @@ BESIDE = "THUNDER_TESTS_BESIDE"  # set in the second pytest: it runs what it is 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(session, config, items):
     """Tests marked `beside` share nothing with the others: a fresh clone of their own, or run names,
-    models and datasets of their own, no fabric and nothing synced. So when they come with others they
-    run in a second pytest beside this one (_beside), which uses the core this one leaves idle while it
-    waits on links, watchdogs and ssh. This one waits for it at the end, shows its report and fails
-    when it failed."""
+    models, datasets and a fabric of their own. So when they come with others they run in a second pytest
+    beside this one (_beside), which uses the core this one leaves idle while it waits on links, watchdogs
+    and ssh. This one waits for it at the end, shows its report and fails when it failed."""
     if os.environ.get(BESIDE) or config.option.collectonly:
         return
     write_operator_configs(config, {i.module for i in items})
@@ -212,8 +211,8 @@ def wait_beside(session, exitstatus):
         b["log"].write_text("not started: this session's demo_inputs did not stand\n")
         b["rc"] = 2
     else:
-        if exitstatus == pytest.ExitCode.INTERRUPTED:
-            b["proc"].terminate()
+        if exitstatus == pytest.ExitCode.INTERRUPTED:  # as ctrl-c gives it: its fixtures bring their fabrics down
+            b["proc"].send_signal(signal.SIGINT)
         b["rc"] = b["proc"].wait()
     if b["rc"] != 0 and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

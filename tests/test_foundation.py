@@ -187,11 +187,16 @@ def test_atomic_writes_get_ordinary_permissions(tmp_path):
 @pytest.mark.parametrize("beside_passes", [True, False])
 def test_tests_marked_beside_run_beside_and_their_failure_is_the_sessions(beside_passes):
     """#25: tests marked `beside` run in a second pytest beside the rest (make test's wall time); the
-    session waits for them, shows their report, and fails when they failed, though its own passed."""
+    session waits for them, shows their report, and fails when they failed, though its own passed. A
+    module's OPERATOR_CONFIGS stand in configs/ for both, from before the first test to after the last."""
     name = f"test_beside_{os.getpid()}_{int(beside_passes)}"
     files = [ROOT / "tests" / f"{name}_a.py", ROOT / "tests" / f"{name}_b.py"]
-    files[0].write_text("import os\n\n\ndef test_here():\n    assert not os.environ.get('THUNDER_TESTS_BESIDE')\n")
-    files[1].write_text("import os\n\nimport pytest\n\n\n@pytest.mark.beside\ndef test_beside():\n"
+    cfg = ROOT / "configs" / f"{name}.yaml"
+    stands = f"    assert Path({str(cfg)!r}).read_text() == 'iters: 3\\n'\n"
+    files[0].write_text(f"import os\nfrom pathlib import Path\n\nOPERATOR_CONFIGS = {{{cfg.name!r}: 'iters: 3\\n'}}\n\n\n"
+                        f"def test_here():\n{stands}    assert not os.environ.get('THUNDER_TESTS_BESIDE')\n")
+    files[1].write_text(f"import os\nfrom pathlib import Path\n\nimport pytest\n\n\n@pytest.mark.beside\n"
+                        f"def test_beside():\n{stands}"
                         "    assert os.environ.get('THUNDER_TESTS_BESIDE') == '1'\n"
                         f"    assert {beside_passes}, 'the test beside failed'\n")
     try:
@@ -201,6 +206,7 @@ def test_tests_marked_beside_run_beside_and_their_failure_is_the_sessions(beside
         for f in files:
             f.unlink()
     out = p.stdout
+    assert not cfg.exists(), "the session left its config in configs/"
     own, last = out.strip().splitlines()[-2:]
     assert re.fullmatch(r"1 passed in \S+", own), out  # this session's own test, here
     assert re.fullmatch(rf"=+ beside: 1 {'passed' if beside_passes else 'failed'} in \S+ \(the 1 tests marked "
