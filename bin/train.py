@@ -40,12 +40,12 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import atomic, chat, jsonl, tracking  # noqa: E402
+from lib import atomic, batching, chat, jsonl, tracking  # noqa: E402
 from lib import checkpoint as ckpt  # noqa: E402
 from lib import config as C  # noqa: E402
 from lib.hashing import digest_of, sha256_file  # noqa: E402
 from lib.log import DATA, PARITY, STABILITY, RunbookError, error_of_code, failure  # noqa: E402
-from lib.loss import make_loss  # noqa: E402
+from lib.loss import make_loss, weighted_default_loss  # noqa: E402
 from lib.rank import Reporter, as_error, fail, keep_awake  # noqa: E402
 from lib.tracking import Tracker  # noqa: E402
 
@@ -151,37 +151,111 @@ def load_all(r) -> None:
                            "(mlx-lm would render thinking on): set `chat_template_args: {enable_thinking: "
                            "false}` (as served elsewhere) or `{enable_thinking: true}`", "chat-format")
     rep.beat("tokenize", 0.0)
-    bs, r.sets, r.counts, r.tokens, hashes, long = cfg["batch_size"], {}, {}, {}, {}, 0
+    r.sets, r.counts, r.tokens, r.data_report, hashes = {}, {}, {}, {}, {}
     for split in SPLITS:
-        path, lengths = d / f"{split}.jsonl", []
+        path = d / f"{split}.jsonl"
         try:
             recs = list(jsonl.read(path)) if path.is_file() else []
-            ds = chat.dataset(recs, tokenizer, cfg) if recs else None
         except (ValueError, UnicodeDecodeError) as e:
             raise failure(DATA, str(e) if str(path) in str(e) else f"{path}: {e}") from e
-        for i in range(len(recs)):
-            rep.beat("tokenize")
-            try:
-                lengths.append(len(ds[i][0]))
-            except Exception as e:
-                raise failure(DATA, f"{path}:{i + 1} (record_id {recs[i].get('record_id', '?')}) does not "
-                                    f"tokenize: {type(e).__name__}: {e}") from e
-        r.sets[split], r.counts[split], r.tokens[split] = ds, len(recs), sum(lengths)
+        if cfg["batching"] == "length":
+            loaded = load_split(path, recs, tokenizer, cfg, rep)
+        else:
+            loaded = load_split_mlx_lm(path, recs, tokenizer, cfg, rep)
+        r.sets[split], r.tokens[split], r.data_report[split] = loaded
+        r.counts[split] = len(recs)
         hashes.update({path.name: sha256_file(path)} if path.is_file() else {})
-        long += sum(n > cfg["max_seq_length"] for n in lengths)
-        needed = {"train": True, "valid": bool(recs) and cfg["val_batches"] != 0, "test": cfg["test"]}[split]
-        if needed and len(recs) < bs:
-            raise failure(DATA, f"{path} has {len(recs)} records, fewer than batch_size {bs}: export more "
-                                "records or lower batch_size")
+        check_enough(path, split, loaded[0], loaded[2], cfg)
+    long = sum(x["truncated"] for x in r.data_report.values())
     if long:
         rep.warn(f"{long} records are longer than max_seq_length {cfg['max_seq_length']} and are truncated")
     if r.sets["valid"] is None and cfg["val_batches"] != 0:
         rep.warn(f"{d}/valid.jsonl missing or empty: training proceeds without validation")
     r.ds_sha = digest_of(hashes)  # export's dataset_sha256 (its manifest's, while the bytes are intact)
-    ids, k = r.sets["train"][0]  # smoke.json's chat_format: the first train record as trained
     r.chat_format = {"chat_template_args": cfg["chat_template_args"], "has_thinking": tokenizer.has_thinking,
-                     "first_record": {"text": tokenizer.decode(ids), "tokens": len(ids), "loss_from": k}}
+                     "first_record": first_record(r.sets["train"], tokenizer)}
     r.optimizer = prepare_model(mx, r.model, cfg)
+
+
+def load_split_mlx_lm(path: Path, recs: list, tokenizer, cfg: dict, rep) -> tuple:
+    """(mlx-lm's dataset, tokens, report) of a split under `batching: mlx_lm`, tokenized now."""
+    if not recs:
+        return None, 0, {"records": 0, "truncated": 0}
+    try:
+        ds = chat.dataset(recs, tokenizer, cfg)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise failure(DATA, f"{path}: {e}") from e
+    lengths = []
+    for i in range(len(recs)):
+        rep.beat("tokenize")
+        try:
+            lengths.append(len(ds[i][0]))
+        except Exception as e:
+            raise failure(DATA, f"{path}:{i + 1} (record_id {recs[i].get('record_id', '?')}) does not "
+                                f"tokenize: {type(e).__name__}: {e}") from e
+    truncated = sum(n > cfg["max_seq_length"] for n in lengths)
+    return ds, sum(lengths), {"records": len(recs), "truncated": truncated}
+
+
+def load_split(path: Path, recs: list, tokenizer, cfg: dict, rep) -> tuple:
+    """(the records to train or score, tokens, report) of a split under `batching: length`.
+
+    Each record is rendered as served (lib/chat.py Renderer) and cut at max_seq_length. A record
+    whose targets are all cut away is left out and counted (`lost_answers`), and so is one of
+    weight 0 under record_weights; the report says when weights other than 1 were ignored."""
+    renderer = chat.Renderer(tokenizer, cfg)
+    kept, lost, weights = [], [], set()
+    tokens, truncated, weight_zero = 0, 0, 0
+    for i, rec in enumerate(recs):
+        rep.beat("tokenize")
+        where = f"{path}:{i + 1} (record_id {rec.get('record_id', '?')})"
+        try:
+            rendered = renderer.record(rec)
+            weight = float(rec.get("weight", 1.0))
+        except Exception as e:
+            raise failure(DATA, f"{where} does not render: {type(e).__name__}: {e}") from e
+        weights.add(weight)
+        used = weight if cfg["record_weights"] else 1.0
+        record = batching.truncated(rendered.tokens, rendered.spans, used, cfg["max_seq_length"])
+        tokens += len(rendered.tokens)
+        truncated += len(rendered.tokens) > cfg["max_seq_length"]
+        if not record.spans:
+            lost.append(where)
+        elif record.weight == 0:
+            weight_zero += 1
+        else:
+            kept.append(record)
+    report = {"records": len(recs), "kept": len(kept), "truncated": truncated,
+              "lost_answers": len(lost), "first_lost": lost[0] if lost else None,
+              "weight_zero": weight_zero,
+              "weights_ignored": not cfg["record_weights"] and bool(weights - {1.0})}
+    return kept or None, tokens, report
+
+
+def check_enough(path: Path, split: str, data, report: dict, cfg: dict) -> None:
+    """Refuse a split too small for one global batch, or a train split that loses too many answers."""
+    n = len(data) if data is not None else 0
+    lost = report.get("lost_answers", 0)
+    if split == "train" and lost > cfg["max_lost_answers"] * report["records"]:
+        raise failure(DATA, f"{lost} of {report['records']} records of {path} lose their whole answer to "
+                            f"max_seq_length {cfg['max_seq_length']} (more than max_lost_answers "
+                            f"{cfg['max_lost_answers']}), the first {report['first_lost']}: raise "
+                            "max_seq_length, or split such records at export")
+    needed = {"train": True, "valid": n > 0 and cfg["val_batches"] != 0, "test": cfg["test"]}[split]
+    if needed and n < cfg["batch_size"]:
+        raise failure(DATA, f"{path} has {n} records to train or score, fewer than batch_size "
+                            f"{cfg['batch_size']}: export more records or lower batch_size")
+
+
+def first_record(data, tokenizer) -> dict:
+    """smoke.json's chat_format.first_record: the first train record as trained, and its targets."""
+    if isinstance(data, list):
+        record = data[0]
+        return {"text": tokenizer.decode(record.tokens), "tokens": len(record.tokens),
+                "targets": chat.decoded_targets(tokenizer, record), "weight": record.weight}
+    ids, k = data[0]
+    return {"text": tokenizer.decode(ids), "tokens": len(ids), "loss_from": k,
+            "targets": [tokenizer.decode(ids[max(k, 1):])]}
 
 
 class Batches:
@@ -197,6 +271,8 @@ class Batches:
         self.groups = [types.SimpleNamespace(rank=lambda j=j: j, size=lambda: shards) for j in shares]
         self.gens = [iterate_batches(dataset, cfg["batch_size"], cfg["max_seq_length"], True, comm_group=g)
                      for g in self.groups]
+        self.dataset = dataset
+        self.shards = shards
 
     def next(self, it: int) -> list:
         out = []
@@ -207,7 +283,55 @@ class Batches:
         self.rs.set_state(self.np.random.get_state())
         if self.n_val and (it == 1 or it % self.cfg["steps_per_eval"] == 0):
             self.rs.permutation(self.n_val)
-        return [merged(out)] if self.merge and len(out) > 1 else out
+        batches = [merged(out)] if self.merge and len(out) > 1 else out
+        return [mlx_lm_micro_batch(b) for b in batches]
+
+    def skip(self, step: int) -> None:
+        """Where a resume starts: the numpy stream replayed through `step` iterations."""
+        for it in range(1, step + 1):
+            self.next(it)
+
+    def warmup(self):
+        """One local micro-batch that compiles the step (the first global batch's first shard)."""
+        from mlx_lm.tuner.trainer import iterate_batches
+
+        one = types.SimpleNamespace(rank=lambda: 0, size=lambda: self.shards)
+        gen = iterate_batches(self.dataset, self.cfg["batch_size"], self.cfg["max_seq_length"], comm_group=one)
+        with redirect_stdout(io.StringIO()):
+            return mlx_lm_micro_batch(next(gen))
+
+
+def mlx_lm_micro_batch(batch: tuple) -> batching.MicroBatch:
+    """mlx-lm's (tokens, lengths) with its counts: real tokens are the lengths, not the padding."""
+    tokens, lengths = batch
+    real = int(lengths[:, 1].sum().item())
+    return batching.MicroBatch(batch, tokens.shape[0], real, tokens.size)
+
+
+class LengthBatches:
+    """This rank's train micro-batches under `batching: length` (lib/batching.py): the global batch of
+    iteration `it` is a function of the seed and `it`, so a resume starts without a replay."""
+
+    def __init__(self, records: list, cfg: dict, shares, shards: int, merge: bool = False):
+        self.records = records
+        self.plan = batching.Plan([len(r.tokens) for r in records], cfg["batch_size"], cfg["seed"])
+        self.shares = list(shares)
+        self.shards = shards
+        self.merge = merge
+
+    def next(self, it: int) -> list:
+        batch = self.plan.at_step(it)
+        out = [self.micro_batch(batch, j) for j in self.shares]
+        return [batching.merge(out)] if self.merge and len(out) > 1 else out
+
+    def micro_batch(self, batch: list, j: int) -> batching.MicroBatch:
+        return batching.collate([self.records[i] for i in batching.shard(batch, j, self.shards)])
+
+    def skip(self, step: int) -> None:
+        """Nothing to replay: iteration step + 1's batch is computed from the seed."""
+
+    def warmup(self) -> batching.MicroBatch:
+        return self.micro_batch(self.plan.at_step(1), 0)
 
 
 def merged(batches) -> tuple:
@@ -281,7 +405,7 @@ def setup(args, coll: Group, rep: Reporter):
     atomic.write_json(rep.marker("joined"), {**joined, "phase": "data-loaded", "data": cfg["data"],
                                              "records": sum(r.counts.values()), "records_by_split": r.counts,
                                              "tokens_by_split": r.tokens, "dataset_sha256": r.ds_sha,
-                                             "chat_format": r.chat_format,
+                                             "chat_format": r.chat_format, "data_report": r.data_report,
                                              "rank_batch": r.per_rank[coll.rank]})
     rep.line("data", rank=coll.rank, **r.counts, train_tokens=r.tokens["train"], dataset_sha256=r.ds_sha,
              rank_batch=r.per_rank[coll.rank])
@@ -303,7 +427,10 @@ def setup(args, coll: Group, rep: Reporter):
         r.shards, r.world_change = ckpt.shards_for(st, coll.size, args.allow_world_change,
                                                    cfg["grad_average"])
         mine = range(coll.rank, r.shards, coll.size)
-    r.batches = Batches(np, r.sets["train"], cfg, mine, r.shards, n_val, merge=uneven)
+    if cfg["batching"] == "length":
+        r.batches = LengthBatches(r.sets["train"], cfg, mine, r.shards, merge=uneven)
+    else:
+        r.batches = Batches(np, r.sets["train"], cfg, mine, r.shards, n_val, merge=uneven)
     if st:  # the weights, optimizer and RNG key of rank 0's checkpoint; the data order replayed
         own_w, own_o = (dict(tree_flatten(t)) for t in (r.model.trainable_parameters(), r.optimizer.state))
         w = coll.run(ckpt.read_fitting, mx.load, picked and picked[0], own_w, "adapters")
@@ -311,18 +438,19 @@ def setup(args, coll: Group, rep: Reporter):
         r.model.load_weights(list(coll.bcast(w, own_w).items()), strict=False)
         r.optimizer.state, k = tree_unflatten(list(coll.bcast(o, own_o).items())), st["rng"]["mx_key"]
         mx.random.seed((int(k[0]) << 32) | int(k[1]))
-        for it in range(1, st["step"] + 1):  # a function of the seed and n_batches (ckpt.pick checked it)
-            r.batches.next(it)
+        r.batches.skip(st["step"])  # a function of the seed and n_batches (ckpt.pick checked it)
         if rank0 and (moved := ckpt.supersede_metrics(run_dir, st["step"])):
             rep.line("metrics-superseded", rank=0, events=moved, after_step=st["step"])
     r.window = st.get("window", {"loss": 0.0, "tokens": 0, "steps": 0})  # mlx-lm's report window, all ranks
     r.start = rep.step = st.get("step", 0)
     r.initial_loss, r.val0, r.last_val = st.get("initial_loss"), st.get("val0"), None
     r.train_time, r.ckpt_time, r.grad, r.trained_tokens = 0.0, 0.0, None, st.get("trained_tokens", 0)
+    r.padding = st.get("padding", {"real": 0, "positions": 0})  # over the run's steps, every rank
     r.adapter_config = {**cfg, "adapter_path": str(r.adapters), "runbook": {"config_sha256": r.chash,
                         "dataset_sha256": r.ds_sha, "world_size": coll.size, "launch_id": args.launch_id}}
     if rank0:
         rep.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        rep.event("data", r.start, **data_summary(r))
         if cfg["report_to"] and not args.no_tracking:  # W&B's start: up to INIT_TIMEOUT_S when offline
             with rep.beating("tracking"):
                 rep.tracker = Tracker(partial(rep.warn, what="tracking"))
@@ -337,6 +465,21 @@ def setup(args, coll: Group, rep: Reporter):
     return r
 
 
+def data_summary(r) -> dict:
+    """What the run trains on: records kept and left out per split, and the epochs `iters` makes."""
+    epochs = r.cfg["iters"] / r.n_batches
+    return {"batching": r.cfg["batching"], "mask_prompt": r.cfg["mask_prompt"],
+            "record_weights": r.cfg["record_weights"], "batches_per_epoch": r.n_batches,
+            "epochs": round(epochs, 4), "splits": r.data_report}
+
+
+def padding_fraction(padding: dict) -> float | None:
+    """Padded positions over all positions of every micro-batch trained, every rank."""
+    if not padding["positions"]:
+        return None
+    return round(1 - padding["real"] / padding["positions"], 4)
+
+
 def save_checkpoint(r, step: int, final: bool) -> None:
     """Rank 0: checkpoints/step-N (weights, optimizer, state, adapter_config.json), pruning, adapters/."""
     k, n, tic = mx.random.state[0].tolist(), r.n_batches, time.perf_counter()
@@ -348,7 +491,8 @@ def save_checkpoint(r, step: int, final: bool) -> None:
              "final": final, "launch_id": r.args.launch_id, "val_loss": val_loss,
              "rng": {"mx_key": [int(k[0]), int(k[1])]}, "time": time.strftime("%FT%T%z"), "window": r.window,
              "data": {"n_batches": n, "epoch": (step - 1) // n, "pos": (step - 1) % n + 1},
-             "trained_tokens": r.trained_tokens, "initial_loss": r.initial_loss, "val0": r.val0}
+             "trained_tokens": r.trained_tokens, "initial_loss": r.initial_loss, "val0": r.val0,
+             "padding": r.padding}
     path = ckpt.save(r.ckroot, step, {
         "adapters.safetensors": lambda p: mx.save_safetensors(str(p), weights, metadata=meta),
         "optimizer.safetensors": lambda p: mx.save_safetensors(str(p), opt, metadata=meta),
@@ -367,6 +511,10 @@ def losses(cfg: dict):
     from mlx_lm.tuner.trainer import default_loss
 
     n, chunked = cfg["loss_chunk_tokens"], cfg["loss"] == "chunked"
+    if cfg["batching"] == "length":  # the batches carry per-target weights (lib/batching.py)
+        if chunked:
+            return make_loss(n, weighted=True), make_loss(n, grad=False, weighted=True)
+        return weighted_default_loss, weighted_default_loss
     return (make_loss(n), make_loss(n, grad=False)) if chunked else (default_loss, default_loss)
 
 
@@ -417,35 +565,34 @@ def train_step(r, step, it: int) -> tuple:
     cfg, batches = r.cfg, r.batches.next(it)
     update, k, lv, nt = it % cfg["grad_accumulation_steps"] == 0, len(batches), [], []
     for j, batch in enumerate(batches):
-        lvalue, toks, out = step(batch, r.grad, update and j == k - 1)
+        lvalue, toks, out = step(batch.arrays, r.grad, update and j == k - 1)
         r.grad = None if update and j == k - 1 else out
         mx.eval(r.state, lvalue, toks, out)
         lv, nt = lv + [lvalue], nt + [toks.astype(mx.float32)]
-    both = r.coll.sum(mx.stack([sum(lv), sum(a * b for a, b in zip(lv, nt, strict=True)), sum(nt)])).tolist()
-    mean, tokens, w = both[0] / (r.coll.size * k), int(both[2]), r.window
+    real = sum(b.real_tokens for b in batches)
+    positions = sum(b.positions for b in batches)
+    weighted = sum(a * b for a, b in zip(lv, nt, strict=True))
+    sums = mx.stack([sum(lv), weighted, sum(nt), mx.array(real, mx.float32), mx.array(positions, mx.float32)])
+    both = r.coll.sum(sums).tolist()
+    mean, tokens, w = both[0] / (r.coll.size * k), round(both[2]), r.window
     w.update(loss=w["loss"] + mean, tokens=w["tokens"] + tokens, steps=w["steps"] + 1)
-    loss = both[1] / both[2] if cfg["grad_average"] == "tokens" else mean
+    r.padding = {"real": r.padding["real"] + round(both[3]),
+                 "positions": r.padding["positions"] + round(both[4])}
+    r.real_tokens = round(both[3])
+    loss = both[1] / max(both[2], 1e-9) if cfg["grad_average"] == "tokens" else mean
     return loss, tokens, (sum(lv) / k).item(), out.item() if update else None
 
 
 def evaluate(r, step: int, split: str) -> None:
     """mlx-lm's evaluate on `valid` (if any) or `test`, a progress line per batch (at most one a second)."""
-    from mlx_lm.tuner import trainer
-
     cfg, rep, tic, phase = r.cfg, r.rep, time.perf_counter(), "val" if split == "valid" else "test"
     if r.sets[split] is None or (n := cfg[f"{phase}_batches"]) == 0:
         return
     rep.beat(phase, 0.0)
-    iterate = plain = partial(trainer.iterate_batches, seed=cfg["seed"])
-    if r.batches.merge:  # rank_shares: each global batch split as a train step splits it, this rank's shards
-        # merged (an uneven batch need not divide by the world size); token-weighted: the control's loss
-        def iterate(dataset, batch_size, max_seq_length, comm_group=None):
-            gens = [plain(dataset, batch_size, max_seq_length, comm_group=g) for g in r.batches.groups]
-            return map(merged, zip(*gens, strict=True))
-    loss = trainer.evaluate(model=r.model, dataset=r.sets[split], batch_size=cfg["batch_size"], num_batches=n,
-                            max_seq_length=cfg["max_seq_length"], loss=losses(cfg)[1],
-                            iterate_batches=iterate,
-                            progress_callback=partial(rep.beat, phase))
+    if cfg["batching"] == "length":
+        loss = evaluate_length(r, r.sets[split], n, partial(rep.beat, phase))
+    else:
+        loss = evaluate_mlx_lm(r, r.sets[split], n, partial(rep.beat, phase))
     r.model.train()
     dt, ppl = time.perf_counter() - tic, math.exp(loss) if loss < 700 else float("inf")
     if phase == "val":
@@ -456,10 +603,52 @@ def evaluate(r, step: int, split: str) -> None:
               **{f"{phase}_s": round(dt, 4)})
 
 
+def evaluate_length(r, records: list, n: int, beat) -> float:
+    """The weighted loss over `n` global batches (-1: all) of a split under `batching: length`: a seeded
+    order cut by length, every record once (the last batch may be short), each global batch split
+    into this rank's shards as a train step splits it; token-weighted over every rank."""
+    plan = batching.Plan([len(x.tokens) for x in records], r.cfg["batch_size"], r.cfg["seed"],
+                         drop_last=False)
+    eval_loss = losses(r.cfg)[1]
+    total = mx.array(0.0)
+    weight = mx.array(0.0)
+    chosen = plan.epoch(0) if n == -1 else plan.epoch(0)[:n]
+    for batch in chosen:
+        rows = [[records[i] for i in batching.shard(batch, j, r.batches.shards)] for j in r.batches.shares]
+        rows = [x for x in rows if x]
+        if r.batches.merge and rows:
+            rows = [[x for part in rows for x in part]]
+        for part in rows:
+            micro = batching.collate(part)
+            value, ntoks = eval_loss(r.model, *micro.arrays)
+            total = total + value * ntoks
+            weight = weight + ntoks
+        mx.eval(total, weight)
+        beat()
+    both = r.coll.sum(mx.stack([total, weight])).tolist()
+    return both[0] / max(both[1], 1e-9)
+
+
+def evaluate_mlx_lm(r, dataset, n: int, beat) -> float:
+    """mlx-lm's evaluate (`batching: mlx_lm`); rank_shares: this rank's shards merged."""
+    from mlx_lm.tuner import trainer
+
+    cfg = r.cfg
+    iterate = plain = partial(trainer.iterate_batches, seed=cfg["seed"])
+    if r.batches.merge:  # rank_shares: each global batch split as a train step splits it, this rank's shards
+        # merged (an uneven batch need not divide by the world size); token-weighted: the control's loss
+        def iterate(dataset, batch_size, max_seq_length, comm_group=None):
+            gens = [plain(dataset, batch_size, max_seq_length, comm_group=g) for g in r.batches.groups]
+            return map(merged, zip(*gens, strict=True))
+    return trainer.evaluate(model=r.model, dataset=dataset, batch_size=cfg["batch_size"], num_batches=n,
+                            max_seq_length=cfg["max_seq_length"], loss=losses(cfg)[1],
+                            iterate_batches=iterate, progress_callback=beat)
+
+
 # ---- the training loop ----------------------------------------------------------------------------
 def train(r) -> int:
     """mlx-lm's train() loop on this run's data order, with a checkpoint at every save_every."""
-    from mlx_lm.tuner.trainer import _clear_cache, iterate_batches
+    from mlx_lm.tuner.trainer import _clear_cache
 
     cfg, coll, rep, iters = r.cfg, r.coll, r.rep, r.cfg["iters"]
     step, t_wall = compiled_step(r), time.perf_counter()
@@ -469,10 +658,9 @@ def train(r) -> int:
         evaluate(r, 0, "valid")
     r.model.train()
     if r.start < iters:
-        key, one = mx.random.state[0].tolist(), types.SimpleNamespace(rank=lambda: 0, size=lambda: r.shards)
+        key = mx.random.state[0].tolist()
         with rep.beating("compile"):
-            mx.eval(step(next(iterate_batches(r.sets["train"], cfg["batch_size"], cfg["max_seq_length"],
-                                              comm_group=one)), None, False))
+            mx.eval(step(r.batches.warmup().arrays, None, False))
         mx.random.seed((int(key[0]) << 32) | int(key[1]))  # as a resume restores it
         rep.beat("train", 0.0)  # step 1 still builds the update's kernels: seconds on a fresh machine
     for it in range(r.start + 1, iters + 1):
@@ -486,6 +674,7 @@ def train(r) -> int:
         rep.line(f"iter {it}", rank=coll.rank, loss=loss, rank_loss=rank_loss, tokens=tokens, step_s=dt,
                  grad_norm=norm)
         rep.event("step", it, loss=loss, lr=lr, tokens=tokens, tok_per_s=tokens / dt if dt else None,
+                  real_tokens=r.real_tokens, real_tok_per_s=r.real_tokens / dt if dt else None,
                   step_s=round(dt, 5), grad_norm=norm)
         # ---- stability: NaN/inf at any step, or divergence early on, stops every rank (global loss) ----
         diverged = it <= cfg["divergence_window"] and loss > cfg["divergence_factor"] * r.initial_loss
@@ -535,7 +724,9 @@ def finish(r, wall: float) -> int:
     rep.line("done", step=iters, wall_s=wall, checkpoint_s=r.ckpt_time, adapter=r.adapters, best=name or "-",
              best_adapter=best or "-")
     rep.event("done", iters, checkpoint_s=round(r.ckpt_time, 4), train_wall_s=round(wall, 4), best=name,
-              best_val_loss=val_loss, best_adapter=best, world_change=r.world_change, **rep.tracker.cost())
+              best_val_loss=val_loss, best_adapter=best, world_change=r.world_change,
+              padding_fraction=padding_fraction(r.padding), epochs=round(iters / r.n_batches, 4),
+              **rep.tracker.cost())
     rep.tracker.finish(0)
     return 0
 

@@ -106,7 +106,9 @@ KEYS = {
     # W&B from rank 0 (lib/tracking.py); mlx-lm's swanlab is not wired in
     "report_to": (None, _is("null or wandb (swanlab is not wired in)", lambda v: v in (None, "wandb"))),
     "project_name": (None, _opt_str),  # W&B's project (null: thunder-runbook)
-    "mask_prompt": (False, _bool), "trust_remote_code": (False, _bool), "chat_feature": ("messages", _str),
+    # true: every assistant turn is a target; last: the last one only (mlx-lm's true); false: all tokens
+    "mask_prompt": (False, _is("true, false or last", lambda v: v in (True, False, "last"))),
+    "trust_remote_code": (False, _bool), "chat_feature": ("messages", _str),
     "prompt_feature": ("prompt", _str), "completion_feature": ("completion", _str),
     "text_feature": ("text", _str),
     "keep_last_k": (3, _int(2)),  # checkpoints kept besides the best-by-validation and the final one
@@ -121,6 +123,15 @@ KEYS = {
     "rank_shares": (None, _is("null, auto, or a list of integers >= 1, one per rank in the hostfile's order",
                               lambda v: v is None or v == "auto" or isinstance(v, list) and len(v) > 0
                               and all(type(x) is int and x >= 1 for x in v))),
+    # length: the trainer's batches by real length, reshuffled each epoch, answers as served
+    # (lib/batching.py, lib/chat.py Renderer); mlx_lm: mlx-lm 0.32.2's batches and masks, exactly
+    "batching": ("length", _in("length", "mlx_lm")),
+    # multiply each record's target losses by its `weight` (0: the record is not trained)
+    "record_weights": (False, _bool),
+    # refuse to train when more than this fraction of the train records lose their whole answer to
+    # max_seq_length; below it they are left out and counted
+    "max_lost_answers": (0.01, _is("a number >= 0 and <= 1", lambda v: type(v) in (int, float)
+                                   and 0 <= v <= 1)),
     # mlx-lm's name: keyword arguments of every chat-template rendering (lib/chat.py), e.g. enable_thinking
     "chat_template_args": (None, _is("null or a mapping of keyword arguments, e.g. {enable_thinking: false}",
                                      lambda v: v is None or isinstance(v, dict)
@@ -181,6 +192,8 @@ def resolve(path: str | Path | None, overrides: dict | None = None) -> dict:
     if cfg["rank_shares"] and cfg["grad_average"] != "tokens":
         raise ConfigError(f"rank_shares {cfg['rank_shares']} needs `grad_average: tokens`: only a token-"
                           "weighted gradient is the same however the global batch is split")
+    if cfg["batching"] == "mlx_lm" and cfg["record_weights"]:
+        raise ConfigError("record_weights needs `batching: length`: mlx-lm's batches carry no weights")
     for key in ("save_every", "iters"):
         if cfg[key] % cfg["grad_accumulation_steps"]:
             raise ConfigError(f"{key} ({cfg[key]}) must be a multiple of grad_accumulation_steps "

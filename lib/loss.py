@@ -30,6 +30,7 @@ CHUNK_TOKENS = 64  # rows of hidden states per chunk (config key loss_chunk_toke
 ANCHOR = OTHER_FAILURES["config"][1]
 MODULES = ("mlx_lm.models.gemma4_text", "mlx_lm.models.gemma4", "mlx_lm.models.llama")
 DEFAULT = "set `loss: default` in the run config"
+EMPTY = 1e-9  # the weighted losses' least denominator: 0 / EMPTY = 0 for a micro-batch without targets
 
 
 def parts(model) -> tuple:
@@ -92,19 +93,37 @@ def chunks(h: mx.array, t: mx.array, m: mx.array, ops, cap, size: int, grad: boo
     return mx.concatenate(out)
 
 
-def make_loss(chunk_tokens: int = CHUNK_TOKENS, grad: bool = True):
+def mlx_lm_mask(targets: mx.array, lengths: mx.array) -> mx.array:
+    """mlx-lm's default_loss mask (`batching: mlx_lm`): one pad past each record is a target."""
+    steps = mx.arange(1, targets.shape[1] + 1)
+    return mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:])
+
+
+def weighted_default_loss(model, batch, weights):
+    """default_loss with per-target weights (`batching: lib/batching.py`): the weighted mean of the
+    targets' cross-entropy; a micro-batch without targets gives 0 and a zero gradient, never NaN."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = model(inputs)
+    ce = nn.losses.cross_entropy(logits, targets) * weights
+    ntoks = weights.sum()
+    return ce.astype(mx.float32).sum() / mx.maximum(ntoks, EMPTY), ntoks
+
+
+def make_loss(chunk_tokens: int = CHUNK_TOKENS, grad: bool = True, weighted: bool = False):
     """A loss(model, batch, lengths) -> (loss, ntoks) equal to mlx-lm's default_loss
-    (grad=False: evaluation)."""
+    (grad=False: evaluation); weighted: loss(model, batch, weights) equal to weighted_default_loss."""
     def loss(model, batch, lengths):
         backbone, head, cap = parts(model)
         inputs, targets = batch[:, :-1], batch[:, 1:]  # default_loss's mask and ntoks, as it builds them
-        steps = mx.arange(1, targets.shape[1] + 1)
-        mask = mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:])
-        ntoks, h = mask.sum(), backbone(inputs)
+        mask = lengths if weighted else mlx_lm_mask(targets, lengths)
+        ntoks = mask.sum()
+        # one sum node: mx.compile merges equal nodes, and an output left on a merged one fails
+        denominator = mx.maximum(ntoks, EMPTY) if weighted else ntoks
+        h = backbone(inputs)
         h, t, m = h.reshape(-1, h.shape[-1]), targets.reshape(-1), mask.reshape(-1).astype(mx.float32)
         ops = head_ops(head)
         if not grad:
-            return chunks(h, t, m, ops, cap, chunk_tokens, False).sum() / ntoks, ntoks
+            return chunks(h, t, m, ops, cap, chunk_tokens, False).sum() / denominator, ntoks
 
         @mx.custom_function
         def ce_sum(h):
@@ -115,6 +134,6 @@ def make_loss(chunk_tokens: int = CHUNK_TOKENS, grad: bool = True):
         def ce_sum_vjp(h, cotangents, outputs):
             return (outputs[1] * cotangents[0]).astype(h.dtype)
 
-        return ce_sum(h)[0] / ntoks, ntoks
+        return ce_sum(h)[0] / denominator, ntoks
 
     return loss
