@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import atomic, config, evaluate, launch, paths, tracking  # noqa: E402
+from lib.dataset import split_by  # noqa: E402
 from lib.hashing import digest_of, tree_hashes  # noqa: E402
 from lib.log import FAILURES, STABILITY, RunbookError, anchor_of, die, event  # noqa: E402
 
@@ -295,6 +296,7 @@ def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v
             k: v[k] for k in ("speedup", "scaling_efficiency", "world_size_ratio", "faster", "link_bound")}},
         "comparable": comp,
         "export": {"lines": launch.export_section(dual["dataset"]) if dual["dataset"] else []},
+        "dataset": split_note(dual["dataset"]),  # "warning": test shares documents with train
         "evaluation": ev and {**{k: x for k, x in ev.items() if k not in ("by_source", "samples")},
                               "models": rows, "split": f"datasets/{dual['dataset']}/test.jsonl"} or None,
         "by_source": (by := [{**r, **{m: finite(r.get(m)) for m in MODELS}}
@@ -311,6 +313,20 @@ def build_report(args, dual: dict, control: dict, comp: dict, ev: dict | None, v
                   shlex.join(["mlx_lm", "generate", *serve, "--chat-template-config", cta, "--prompt", "Hi"]),
                   shlex.join(["mlx_lm.server", *serve, "--chat-template-args", cta])],
     }
+
+
+def split_note(dataset: str | None) -> dict:
+    """How the dataset's splits were drawn (its manifest); a warning when test shares documents."""
+    man = paths.read_json(paths.DATASETS / dataset / "manifest.json") if dataset else {}
+    by = split_by(man)
+    corpus = " ".join(str(x.get("path")) for x in man.get("sources") or []) or "<files>"
+    warning = None
+    if by == "record":
+        warning = (f"the test split shares documents with train (datasets/{dataset} was split "
+                   "by record), so the test loss measures recall of seen documents. Fix: export "
+                   f"it again with split_by: source (make export CORPUS='{corpus}' "
+                   f"DATASET={dataset} REPLACE=1), then train, control and compare again")
+    return {"name": dataset, "split_by": by, "warning": warning}
 
 
 def cell(text) -> str:
@@ -332,6 +348,8 @@ def render_md(rep: dict) -> str:
          "## Metrics", "", f"Speedup {fmt(tp['speedup'], '.2f')}x, "
          f"scaling efficiency {fmt(tp['scaling_efficiency'], '.2f')}.", "",
          "| model | test loss | train tok/s | adapter |", "|---|---|---|---|"]
+    if warning := rep["dataset"]["warning"]:  # the first thing read, before the verdict
+        L[2:2] = [f"**Warning: {warning}.**", ""]
     for name in MODELS:
         r = runs.get(name, {})
         L.append(f"| {name} | {fmt(lo[name])} | {fmt(r.get('tok_per_s'), '.1f')} | {fmt(r.get('adapter'))} |")

@@ -5,8 +5,10 @@
 
 CORPUS: JSONL files (plain or gzip'd) or globs; a line is {"messages"}, {"prompt", "completion"|"response"},
 {"instruction", "input", "output"} or {"text"}, plus optional "record_id", "weight", "source". Writes DIR
-at once: train/valid/test.jsonl (`mlx_lm lora --data DIR`), rejects.jsonl, manifest.json. The same corpus
-and settings again change nothing; another corpus is refused unless --replace. See RUNBOOK.md#export.
+at once: train/valid/test.jsonl (`mlx_lm lora --data DIR`), rejects.jsonl, manifest.json. A
+record's split follows its split_by field (source: a document's records stay together). The same
+corpus and settings again change nothing; another corpus is refused unless --replace.
+See RUNBOOK.md#export.
 """
 
 import argparse
@@ -22,6 +24,7 @@ import sys
 import time
 import zlib
 from collections import Counter
+from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import partial
 from hashlib import sha256
@@ -34,7 +37,7 @@ from lib.dataset import binding, describe, read_manifest  # noqa: E402
 from lib.hashing import digest_of, sha256_file  # noqa: E402
 from lib.log import DATA, RunbookError, die, event  # noqa: E402
 
-EXPORTER_VERSION = "2.0.0"
+EXPORTER_VERSION = "2.1.0"
 SPLITS = ("train", "valid", "test")
 FIELDS = ("messages", "prompt", "completion", "response", "instruction", "input", "output", "text",
           "record_id", "weight", "source", "role", "content")
@@ -43,9 +46,12 @@ REASONS = ("blank_line", "non_utf8", "invalid_json", "not_an_object", "missing_c
            "record_id_conflict", "too_long")
 DEFAULTS = {"fields": {}, "roles": {}, "ratios": {"train": 0.9, "valid": 0.05, "test": 0.05},
             "max_reject_ratio": 0.001, "max_chars": 50000, "text_system_prompt": "",
-            "text_user_prompt": "Write a passage from the reference documentation."}
+            "text_user_prompt": "Write a passage from the reference documentation.",
+            "split_by": "source"}
+# The settings that have a flag of their own, e.g. --max-chars, --split-by
 FLAGS = {"ratios": str, "max_reject_ratio": float, "max_chars": int, "text_system_prompt": str,
-         "text_user_prompt": str}  # the settings that have a flag of their own, e.g. --max-chars
+         "text_user_prompt": str, "split_by": str}
+BY_RECORD = "record"  # split_by's value for a split by record_id alone (exporter 2.0's only rule)
 MISSING = object()
 ENC = json.encoder.encode_basestring_ascii  # a string as json.dumps writes it (pure ASCII)
 fail = partial(RunbookError, category=DATA)  # fail(message, anchor): the RUNBOOK heading names the fix
@@ -107,6 +113,8 @@ def resolve_settings(args) -> dict:
         (type(s["max_chars"]) is not int or s["max_chars"] <= 0, "max_chars must be a positive integer"),
         (not all(isinstance(s[k], str) for k in ("text_system_prompt", "text_user_prompt"))
          or not s["text_user_prompt"].strip(), "text prompts must be strings, text_user_prompt not empty"),
+        (type(s["split_by"]) is not str or not s["split_by"].strip(),
+         f"split_by must be a record field (e.g. source) or {BY_RECORD}"),
         (args.dataset is not None and not paths.is_safe_name(args.dataset),
          f"DATASET {args.dataset!r} is not a safe folder name: use letters, digits, '.', '_', '-'")] if wrong]
     if bad:
@@ -173,7 +181,9 @@ class Shaper:
         self.head = [("system", s["text_system_prompt"])] * bool(s["text_system_prompt"])
         self.head.append(("user", s["text_user_prompt"]))
         self.max_chars, self.limit = s["max_chars"], 8 * s["max_chars"] + (1 << 16)  # JSON: < 6 bytes a char
-        r = s["ratios"]  # split bounds on sha256(record_id)'s first 8 bytes: exact, from Fractions
+        by = s["split_by"]  # the canonical names read the corpus's own (--field source=origin)
+        self.group_field = None if by == BY_RECORD else self.f.get(by, by)
+        r = s["ratios"]  # split bounds on sha256(group)'s first 8 bytes: exact, from Fractions
         self.bounds = [min(int(x * 2**64), 2**64 - 1).to_bytes(8, "big") for x in (r["train"], 1 - r["test"])]
 
     def turns(self, obj: dict) -> list[tuple[str, str]]:
@@ -212,8 +222,24 @@ class Shaper:
         raise Reject("missing_content", f"no {f['messages']}, {f['prompt']}, {f['instruction']} or "
                      f"{f['text']} field (remap names with --field)")
 
+    def group_of(self, obj: dict) -> str | None:
+        """The record's group, the split_by field's value; None when split by record or the
+        field is absent, null or blank: the record is then its own group (its record_id picks its
+        split)."""
+        if self.group_field is None:
+            return None
+        value = obj.get(self.group_field)
+        if value is None:
+            return None
+        if type(value) is not str:
+            return json.dumps(value, sort_keys=True)  # an integer as str() writes it
+        if not value.strip():
+            return None
+        return value
+
     def record(self, raw: bytes, lineno: int, fname: str) -> tuple:
-        """(output line, split, record_id key, content key, the provenance fields derived) or Reject."""
+        """(output line, split, record_id key, content key, the provenance fields derived, group
+        key or None: its own group) or Reject."""
         if len(raw) > self.limit:
             raise Reject("too_long", f"line is over {self.limit} bytes (8 x max_chars + 64 KiB)")
         if not raw or raw.isspace():
@@ -245,13 +271,44 @@ class Shaper:
         mj = "[" + ", ".join([f'{{"role": "{r}", "content": {ENC(c)}}}' for r, c in turns]) + "]"
         cd = sha256(mj.encode()).digest()[:16]  # the content's key
         key = "content:" + cd.hex() if rid is MISSING else str(rid)
-        rd = sha256(key.encode()).digest()[:16]  # the record_id's key: its first 8 bytes pick the split
+        rd = sha256(key.encode()).digest()[:16]  # the record_id's key
         weight = 1.0 if w is MISSING else float(w) + 0.0  # + 0.0: -0.0 is written 0.0
         line = (f'{{"messages": {mj}, "record_id": {ENC(key)}, "weight": {weight!r}, '
                 f'"source": {ENC(fname if src is MISSING else src)}}}\n')
         derived = tuple(k for k, v in (("record_id", rid), ("weight", w), ("source", src)) if v is MISSING)
-        split = 0 if rd[:8] < self.bounds[0] else 1 if rd[:8] < self.bounds[1] else 2
-        return line.encode(), split, int.from_bytes(rd, "big"), int.from_bytes(cd, "big"), derived
+        group = self.group_of(obj)
+        gd = sha256((key if group is None else group).encode()).digest()[:8]  # it picks the split
+        split = 0 if gd < self.bounds[0] else 1 if gd < self.bounds[1] else 2
+        group_key = None if group is None else int.from_bytes(gd, "big")
+        rid_key, content_key = int.from_bytes(rd, "big"), int.from_bytes(cd, "big")
+        return line.encode(), split, rid_key, content_key, derived, group_key
+
+
+@dataclass
+class Groups:
+    """The groups each split got: the split_by values seen, and the records alone in theirs."""
+
+    values: list[set] = field(default_factory=lambda: [set() for _ in SPLITS])
+    alone: list[int] = field(default_factory=lambda: [0 for _ in SPLITS])
+
+    def add(self, split: int, group: int | None) -> None:
+        if group is None:
+            self.alone[split] += 1
+        else:
+            self.values[split].add(group)
+
+    def counts(self) -> dict:
+        return {k: len(self.values[i]) + self.alone[i] for i, k in enumerate(SPLITS)}
+
+
+def split_section(s: dict, bounds: list[bytes], groups: Groups) -> dict:
+    """The manifest's `split`: how records were assigned, and the groups each split got."""
+    by = s["split_by"]
+    without = 0 if by == BY_RECORD else sum(groups.alone)
+    return {"split_by": by, "key": "record_id" if by == BY_RECORD else by,
+            "ratios": {k: float(v) for k, v in s["ratios"].items()},
+            "train_below": bounds[0].hex(), "valid_below": bounds[1].hex(),
+            "groups": groups.counts(), "records_without_field": without}
 
 
 # ---- the export: first duplicate wins, every line accounted for ---------------------------------
@@ -261,10 +318,11 @@ def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
     rids, contents, by_reason = {}, set(), dict.fromkeys(REASONS, 0)
     c = dict.fromkeys(("input", "exported", "rejected", "duplicates", *SPLITS), 0)
     derived, shaper = Counter(dict.fromkeys(("record_id", "weight", "source"), 0)), Shaper(s)
+    groups = Groups()
     try:
         for fname, n, raw in lines(sources, shaper.limit):
             try:
-                line, split, rid, content, absent = shaper.record(raw, n, fname)
+                line, split, rid, content, absent, group = shaper.record(raw, n, fname)
                 if rids.setdefault(rid, content) != content:
                     raise Reject("record_id_conflict", "this record_id was seen earlier with other messages")
             except Reject as e:
@@ -281,6 +339,7 @@ def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
                 continue
             contents.add(content)
             c[SPLITS[split]] += 1
+            groups.add(split, group)
             outs[SPLITS[split]].write(line)
             derived.update(absent)
     finally:
@@ -291,12 +350,11 @@ def run_export(name: str, sources: list[dict], tmp: Path, s: dict) -> dict:
     files = {f"{k}.jsonl": {"sha256": sha256_file(f.name), "bytes": os.path.getsize(f.name),
                             "records": c.get(k, c["rejected"])} for k, f in outs.items()}
     return {"dataset": name, "derived": derived, "files": files,
-        "settings": (settings := as_json(s)), "exporter": {
+        "settings": as_json(s), "exporter": {
             "script": "bin/export.py", "version": EXPORTER_VERSION, "script_sha256": sha256_file(__file__)},
         "counts": c, "rejects_by_reason": {k: v for k, v in by_reason.items() if v},
         "dataset_sha256": digest_of({f"{k}.jsonl": files[f"{k}.jsonl"]["sha256"] for k in SPLITS}),
-        "split": {"key": "record_id", "ratios": settings["ratios"], "train_below": shaper.bounds[0].hex(),
-                  "valid_below": shaper.bounds[1].hex()},
+        "split": split_section(s, shaper.bounds, groups),
         "sources": [{k: x[k] for k in ("path", "sha256", "bytes", "lines", "gzip")} for x in sources],
         "corpus_sha256": digest_of({x["path"]: x["sha256"] for x in sources})}
 
@@ -346,12 +404,25 @@ def lock_and_clean(out: Path):
     return lock
 
 
+def empty_split(empty: list[str], c: dict, sp: dict) -> str:
+    """Why a split would be empty: the groups and records each split got, and the fix."""
+    by, groups = sp["split_by"], sp["groups"]
+    got = ", ".join(f"{k} {groups[k]} / {c[k]}" for k in SPLITS)
+    fix = "add records or raise those ratios (--ratios)"
+    if by != BY_RECORD:
+        fix = (f"add documents (records of more {by} values), change the ratios (--ratios), or "
+               f"split by record (--split-by {BY_RECORD}; test then shares documents with train)")
+    return (f"split(s) {', '.join(empty)} would be empty: {c['exported']} exported records in "
+            f"{sum(groups.values())} group(s) by {by} (groups / records: {got}): {fix}")
+
+
 def export(out: Path, sources: list[dict], s: dict) -> dict:
     """Export into a temp folder beside `out`, report, and swap it in (or fail, `out` as it was)."""
     failed = out.parent / f"{out.name}.failed-rejects.jsonl"
     with atomic.atomic_dir(out) as tmp:
         m = run_export(out.name, sources, tmp, s)
         c, limit = m["counts"], s["max_reject_ratio"] * m["counts"]["input"]
+        sp = m["split"]
         if c["input"] == 0:
             raise fail(f"the corpus has no lines ({', '.join(x['path'] for x in sources)}): pass the right "
                        "CORPUS", "export-no-input")
@@ -361,6 +432,9 @@ def export(out: Path, sources: list[dict], s: dict) -> dict:
         print(f"accounting input {c['input']} = exported {c['exported']} + rejected {c['rejected']} + "
               f"duplicates {c['duplicates']} {ok[0]}; exported {c['exported']} = train {c['train']} + valid "
               f"{c['valid']} + test {c['test']} {ok[1]}", flush=True)
+        groups = {f"groups_{k}": n for k, n in sp["groups"].items()}
+        event("export_split", split_by=s["split_by"], **groups,
+              records_without_field=sp["records_without_field"])
         event("export_rejects", **m["rejects_by_reason"], total=c["rejected"])
         event("export_derived", **m["derived"])
         if c["rejected"] > limit:
@@ -370,8 +444,7 @@ def export(out: Path, sources: list[dict], s: dict) -> dict:
                        f"{paths.rel(failed)}: fix the corpus, remap fields (--field), or raise "
                        "max_reject_ratio knowingly", "export-too-many-rejects")
         if empty := [k for k in SPLITS if not c[k]]:
-            raise fail(f"split(s) {', '.join(empty)} would be empty with {c['exported']} "
-                       "exported records: add records or raise those ratios (--ratios)", "export-empty-split")
+            raise fail(empty_split(empty, c, sp), "export-empty-split")
         (tmp / "manifest.json").write_text(atomic.dumps_json(m), encoding="utf-8")
     failed.unlink(missing_ok=True)
     return m

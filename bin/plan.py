@@ -43,6 +43,7 @@ LAYERS = ("hardware_layer", "worker_layer", "checkpoint_layer", "gradient_layer"
 CONSISTENCY = ("code", "model", "dataset", "runtime")  # check-parity rows every host must pass alike
 CAL_KEYS = ("max_seq_length", "num_layers", "fine_tune_type", "lora_parameters", "grad_checkpoint", "loss",
             "loss_chunk_tokens")  # a calibration measured with other values is not used
+EPOCHS_LOW, EPOCHS_HIGH = 0.5, 10  # below: most records never trained; above: each memorized
 
 
 def unknown(reason: str, value=None):
@@ -130,8 +131,8 @@ def gather(args) -> types.SimpleNamespace:
                               model_sha=launch.model_hash(args.model), run_dir=Path(args.runs_dir) / args.run)
     c.parity, (c.cal, c.cal_why) = load_parity(c), load_calibration(c)
     c.calibrate_longer = f"run `{cmd['calibrate']} CALIBRATE_ARGS=--budget-s=600`"
-    counts = paths.read_json(paths.DATASETS / args.dataset / "manifest.json").get("counts", {})
-    c.train_records = counts.get("train")
+    files = paths.read_json(paths.DATASETS / args.dataset / "manifest.json").get("files") or {}
+    c.train_records = (files.get("train.jsonl") or {}).get("records")
     c.ds_why = f"datasets/{args.dataset}/manifest.json missing or without a train count: run `make export`"
     c.sync, c.smoke = (paths.read_json(c.run_dir / f) for f in ("sync.json", "smoke.json"))
     c.global_batch = cfg["batch_size"] * cfg["grad_accumulation_steps"]
@@ -142,6 +143,31 @@ def gather(args) -> types.SimpleNamespace:
 
 
 # ---- the sections ------------------------------------------------------------------------------
+def epochs_of(c) -> float | None:
+    """The passes over the train split `iters` makes: an iteration is one batch of batch_size
+    records (grad_accumulation_steps of them make an optimizer step)."""
+    if not c.train_records:
+        return None
+    return c.cfg["iters"] * c.cfg["batch_size"] / c.train_records
+
+
+def epochs_warning(c) -> str:
+    """Why `iters` does not fit this dataset (epochs out of EPOCHS_LOW..EPOCHS_HIGH) and the fix,
+    or "" when it fits or the dataset is not known."""
+    epochs = epochs_of(c)
+    if epochs is None or EPOCHS_LOW <= epochs <= EPOCHS_HIGH:
+        return ""
+    iters, bs = c.cfg["iters"], c.cfg["batch_size"]
+    records = c.train_records
+    one = math.ceil(records / bs)  # the iters of one epoch
+    made = f"iters {iters} x batch_size {bs} is {epochs:.2f} epochs of {records} train records"
+    if epochs < EPOCHS_LOW:
+        return (f"{made}, most of them never trained: raise iters in {c.args.config} "
+                f"(one epoch: {one} iters)")
+    return (f"{made}, each seen over {EPOCHS_HIGH} times (the adapter memorizes them): lower "
+            f"iters in {c.args.config} (one epoch: {one} iters), or add records")
+
+
 def model_sections(c) -> dict:
     cal, cfg, why = c.cal, c.cfg, c.cal_why or "not in the calibration"
     rec, sp, hosts = cal.get("recommendation", {}), cal.get("speedup", {}), cal.get("hosts", [])
@@ -161,7 +187,7 @@ def model_sections(c) -> dict:
         "learning_rate": float(cfg["learning_rate"]), "fits_memory": verdict(c.checks["hardware_layer"]),
         "warmup_epochs": unknown(c.ds_why,
                                  per_step and int((cfg["lr_schedule"] or {}).get("warmup", 0)) * per_step),
-        "epochs": unknown(c.ds_why, per_step and cfg["iters"] * per_step),
+        "epochs": unknown(c.ds_why, epochs_of(c)), "epochs_warning": epochs_warning(c),
         "recommended": {"per_gpu_batch_size": rec["per_rank_batch"], "gradient_accumulation_steps":
                         rec["grad_accumulation_steps"], "config_batch_size": rec["config_batch_size"],
                         "largest_fitting_batch": rec["fits_memory_cap"], "largest_fitting_batch_kind":
@@ -383,6 +409,12 @@ def main() -> int:
               fix=json.dumps(x["fix_command"]) if x["fix_command"] else "-")
     for u in plan["unknowns"]:
         event("plan-unknown", field=u["field"], reason=json.dumps(u["reason"]))
+    bc = plan["batch_configuration"]
+    if not isinstance(bc["epochs"], dict):  # an unknown is a plan-unknown line
+        records = plan["coordinator_chunking"]["dataset_size"]
+        event("plan-epochs", epochs=bc["epochs"], train_records=records)
+    if bc["epochs_warning"]:
+        event("warning", stage="plan", what="epochs", message=json.dumps(bc["epochs_warning"]))
     event("plan", file=paths.rel(path), overall_status=pf["overall_status"], unknowns=len(plan["unknowns"]))
     if args.strict and pf["overall_status"] != "pass":
         return die(RunbookError(f"pre-flight {pf['overall_status']}: see the plan-check lines", ANCHOR), 1)

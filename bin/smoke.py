@@ -81,8 +81,9 @@ def main() -> int:
     if fmt := joined.get(0, {}).get("chat_format"):  # rank 0's first train record, as the trainer rendered it
         rec = fmt["first_record"]
         event("smoke-chat-format", chat_template_args=json.dumps(fmt["chat_template_args"]),
-              has_thinking=fmt["has_thinking"], tokens=rec["tokens"], loss_from=rec["loss_from"],
-              text=json.dumps(rec["text"][:100]))
+              has_thinking=fmt["has_thinking"], tokens=rec["tokens"], text=json.dumps(rec["text"][:100]))
+        for target in rec["targets"]:  # exactly what the adapter learns from the first record
+            event("smoke-target", text=json.dumps(target[:100]))
     summary = launch.summarize(res2 or res, cat, why, {
         "stage": "smoke", "run": args.run, "run_dir": run_rel, "world_size": hf.size, "swept": ev["swept"],
         "criteria": {k: {"ok": c, "detail": d} for k, (c, d) in crit.items()}, "chat_format": fmt,

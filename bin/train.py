@@ -451,6 +451,7 @@ def setup(args, coll: Group, rep: Reporter):
     if rank0:
         rep.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
         rep.event("data", r.start, **data_summary(r))
+        warn_about_data(r)
         if cfg["report_to"] and not args.no_tracking:  # W&B's start: up to INIT_TIMEOUT_S when offline
             with rep.beating("tracking"):
                 rep.tracker = Tracker(partial(rep.warn, what="tracking"))
@@ -471,6 +472,26 @@ def data_summary(r) -> dict:
     return {"batching": r.cfg["batching"], "mask_prompt": r.cfg["mask_prompt"],
             "record_weights": r.cfg["record_weights"], "batches_per_epoch": r.n_batches,
             "epochs": round(epochs, 4), "splits": r.data_report}
+
+
+def warn_about_data(r) -> None:
+    """Warnings shown again above the stage's PASS/FAIL: ignored weights, answers lost, odd epochs."""
+    cfg, rep = r.cfg, r.rep
+    ignored = [split for split, report in r.data_report.items() if report.get("weights_ignored")]
+    if ignored:
+        rep.warn(f"records of {', '.join(ignored)} have a weight other than 1 and record_weights is "
+                 "false: they train and score at weight 1 (set record_weights: true to use them)",
+                 "weights-ignored", splits=ignored)
+    for split, report in r.data_report.items():
+        if report.get("lost_answers"):
+            rep.warn(f"{report['lost_answers']} of {report['records']} {split} records lose their whole "
+                     f"answer to max_seq_length {cfg['max_seq_length']} and are left out, the first "
+                     f"{report['first_lost']}", "lost-answers", split=split, records=report["lost_answers"])
+    epochs = cfg["iters"] / r.n_batches
+    if not 0.5 <= epochs <= 10:
+        rep.warn(f"iters {cfg['iters']} x batch_size {cfg['batch_size']} is {epochs:.2f} epochs of the "
+                 f"{len(r.sets['train'])} train records: set iters for 0.5 to 10 epochs "
+                 f"({r.n_batches} iters an epoch)", "epochs", epochs=round(epochs, 4))
 
 
 def padding_fraction(padding: dict) -> float | None:

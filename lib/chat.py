@@ -120,11 +120,14 @@ class Renderer:
     def answer_tokens(self, history: list, prompt: list, full: list) -> list[int]:
         """The last turn's tokens after the generation prompt: the full record less the history and
         the role header that the record shares with the generation prompt."""
-        if full[: len(history)] != history or prompt[: len(history)] != history:
-            at = len(commonprefix([history, full]))
-            raise ValueError(f"the record does not start with its history as rendered (they part at "
-                             f"token {at}: {self.tok.decode(full[at:at + 8])!r}); the chat template "
-                             "renders a turn differently when it is the last")
+        for name, other in (("generation prompt", prompt), ("record", full)):
+            at = len(commonprefix([history, other]))
+            if at < len(history):
+                raise ValueError(f"the {name} does not start with the conversation before the answer "
+                                 f"as rendered alone (they part at token {at}: "
+                                 f"{self.tok.decode(other[at:at + 8])!r} vs "
+                                 f"{self.tok.decode(history[at:at + 8])!r}): the chat template renders "
+                                 "earlier turns differently when a turn follows; fix the chat template")
         turn = full[len(history):]
         header = len(commonprefix([prompt[len(history):], turn]))
         return turn[header:]

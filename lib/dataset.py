@@ -1,7 +1,8 @@
-"""The one reader of an exported dataset's manifest.json (bin/export.py writes it; export, sync
-and check_parity read it); a missing or malformed one raises RunbookError naming the fix.
+"""The one reader of an exported dataset's manifest.json (bin/export.py writes it; export, sync,
+check_parity and compare read it); a missing or malformed one raises RunbookError naming the fix.
     m = read_manifest("datasets/sample")  # m["dataset_sha256"], m["files"]["train.jsonl"]["sha256"]
     binding(m)   # {"files": [[path, sha256], ...], "settings": {...}}: what the dataset is bound to
+    split_by(m)  # "source": a document in one split; "record": test may share documents with train
     describe(m)
     # "datasets/sample/corpus.jsonl (corpus_sha256 0b6f...) -> train 1883 / valid 105 / test 98 records"
 """
@@ -37,9 +38,23 @@ def read_manifest(dataset_dir: Path | str) -> dict:
 
 def binding(m: dict) -> dict:
     """What a dataset is bound to (changed only by export --replace): its corpus files and byte-changing
-    settings."""
+    settings. A manifest without split_by (exporter 2.0) was split by record."""
+    settings = {k: v for k, v in (m.get("settings") or {}).items() if k != "max_reject_ratio"}
+    if settings and "split_by" not in settings:
+        settings["split_by"] = "record"
     return {"files": [[x.get("path"), x.get("sha256")] for x in m.get("sources") or []],
-            "settings": {k: v for k, v in (m.get("settings") or {}).items() if k != "max_reject_ratio"}}
+            "settings": settings}
+
+
+def split_by(m: dict) -> str | None:
+    """How the dataset's splits were drawn: a record field's name (its groups kept whole),
+    "record" (by record_id: test may share documents with train), or None when not recorded."""
+    split = m.get("split") or {}
+    if "split_by" in split:
+        return split["split_by"]
+    if split.get("key") == "record_id":
+        return "record"
+    return None
 
 
 def describe(m: dict) -> str:

@@ -98,6 +98,8 @@ def export_section(dataset: str) -> list[str]:
     flags += [f"--{o}={k}={v}" for o in ("field", "role") for k, v in (s.get(o + "s") or {}).items()]
     flags += [f"--{k.replace('_', '-')}={s[k]}" for k in ("max_reject_ratio", "max_chars",
                                                           "text_system_prompt", "text_user_prompt") if k in s]
+    if s:  # a manifest of exporter 2.0 has no split_by: it split by record
+        flags.append(f"--split-by={s.get('split_by', 'record')}")
     return head + [shlex.join(["make", "export", "CORPUS=" + " ".join(f["path"] for f in files),
                                f"DATASET={dataset}", "EXPORT_ARGS=" + shlex.join(flags)])]
 
@@ -378,6 +380,12 @@ def conclude(run_dir: Path, stage: str, summary: dict, cfg: dict, argv: list[str
     track = [m for m in mets if m.get("kind") == "tracking"]  # rank 0's W&B run, this launch's last
     summary["tracking"] = {k: track[-1][k] for k in ("mode", "id", "url", "dir")} if track else None
     summary["chat_template_args"] = cfg.get("chat_template_args")  # the format the adapter is trained in
+    data = [m for m in mets if m.get("kind") == "data"]  # rank 0's: records kept and left out, epochs
+    done = [m for m in mets if m.get("kind") == "done"]
+    skip = ("step", "kind", "loss", "lr", "tokens", "tok_per_s", "peak_mem_gb", "wall_s")
+    summary["data"] = {k: v for k, v in data[-1].items() if k not in skip} if data else None
+    summary["padding_fraction"] = done[-1].get("padding_fraction") if done else None
+    summary["epochs"] = done[-1].get("epochs") if done else None
     for w in summary["warnings"]:  # e.g. no-improvement: shown once more just above PASS/FAIL
         event("warning", stage=stage, what=w.get("what"), message=json.dumps(w.get("message")))
     atomic.write_json(run_dir / f"{stage}.json", summary)

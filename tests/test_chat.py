@@ -164,7 +164,8 @@ def test_a_prompt_that_parts_from_the_record_before_the_answer_is_refused(varian
     p = run([PY, "bin/train.py", "--config", str(conf), "--model", str(model), "--data", str(data),
              "--run-dir", str(tmp_path / "run")], check=False, env=dict(os.environ, **OFFLINE))
     assert p.returncode == 11, p.stderr[-2000:]  # the data category: the record names its file and line
-    assert f"{data / 'train.jsonl'}:1 (record_id r0) does not tokenize" in p.stderr and "prompt '?" in p.stderr
+    assert f"{data / 'train.jsonl'}:1 (record_id r0) does not render" in p.stderr
+    assert "the generation prompt does not start with the conversation before the answer" in p.stderr
 
 
 def train(model, data_dir, conf, run_dir, records, config_text):
@@ -200,7 +201,9 @@ def test_the_choice_is_validated_recorded_and_optional_without_a_thinking_mode(v
     rec = joined["chat_format"]["first_record"]
     assert joined["chat_format"]["chat_template_args"] == {"enable_thinking": False}
     assert joined["chat_format"]["has_thinking"] is True
-    assert rec["text"] == expected(TURNS[:2], False, "launch") and rec["tokens"] > rec["loss_from"] > 0
+    # trained as served: the generation prompt (launch template: the empty thought), then the answer
+    assert rec["text"] == expected(TURNS[:1], False, "launch", True) + "A null operation.<turn|>\n"
+    assert rec["targets"] == ["A null operation.<turn|>"]
     adapter_cfg = json.loads((tmp_path / "run" / "adapters" / "adapter_config.json").read_text())
     assert adapter_cfg["chat_template_args"] == {"enable_thinking": False}  # mlx-lm's adapter folder keeps it
     # a tokenizer without a thinking mode (the tiny llama) needs no choice
@@ -223,3 +226,67 @@ def test_the_snapshots_template_is_described_with_its_variant(variants):
         facts = describe(tokenizer(folder))
         text = json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
         assert facts == {"sha256": hashlib.sha256(text.encode()).hexdigest(), "has_thinking": True, "variant": v}
+
+
+# ---- batching: length (lib/chat.py Renderer): targets, the served format, every assistant turn ------
+def loaded_tokenizer(folder):
+    """mlx-lm's tokenizer as a run loads it: eos_token_ids from the model's config (<turn|> among them)."""
+    from mlx_lm.utils import load
+
+    return load(str(folder))[1]
+
+
+def renderer(tok, mask, thinking: bool):
+    return chat.Renderer(tok, {**C.DEFAULTS, "mask_prompt": mask, "chat_template_args": {"enable_thinking": thinking}})
+
+
+def visible(message: dict) -> str:
+    return re.sub(r"<\|channel>.*?<channel\|>", "", message["content"], flags=re.S).strip()
+
+
+@pytest.mark.parametrize("variant", ["launch", "current"])
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("conv", [TURNS[:2], [SYSTEM, *TURNS]], ids=["single", "multi-turn-system"])
+def test_the_last_answer_is_trained_after_exactly_the_served_generation_prompt(variants, variant, thinking, conv):
+    tok = loaded_tokenizer(variants[variant])
+    rendered = renderer(tok, True, thinking).record({"messages": conv})
+    args = {"enable_thinking": thinking}
+    served = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, return_dict=False, **args)
+    assert rendered.tokens[:len(served)] == served  # what mlx_lm generate / mlx_lm.server feed the model
+    # the text from the format's description, built here: the generation prompt, the answer, its end
+    text = expected(conv[:-1], thinking, variant, True) + visible(conv[-1]) + "<turn|>\n"
+    assert tok.decode(rendered.tokens) == text
+    assert rendered.spans[-1][0] == len(served)  # the prefix (role header, empty thought) is no target
+
+
+@pytest.mark.parametrize("variant", ["launch", "current"])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_every_assistant_turn_is_a_target_and_nothing_else(variants, variant, thinking):
+    tok = loaded_tokenizer(variants[variant])
+    conv = [SYSTEM, *TURNS]
+    answers = [visible(m) + "<turn|>" for m in conv if m["role"] == "assistant"]
+    every = renderer(tok, True, thinking).record({"messages": conv})
+    assert chat.decoded_targets(tok, every) == answers
+    last = renderer(tok, "last", thinking).record({"messages": conv})
+    assert chat.decoded_targets(tok, last) == answers[-1:] and last.tokens == every.tokens
+    plain = renderer(tok, False, thinking).record({"messages": conv})
+    assert plain.spans == [(1, len(plain.tokens))] and plain.tokens == every.tokens
+    # never a role header, a thought-channel marker, the newline after <turn|>, or a pad
+    for a, b in every.spans:
+        assert not {SPECIALS["<|turn>"], SPECIALS["<|channel>"], SPECIALS["<channel|>"], 0} & set(every.tokens[a:b])
+        assert every.tokens[b - 1] == SPECIALS["<turn|>"] and every.tokens[b] == 107
+
+
+def test_prompt_completion_records_render_as_their_chat(variants):
+    tok = loaded_tokenizer(variants["launch"])
+    r = renderer(tok, True, False)
+    a = r.record({"prompt": "What is pass?", "completion": "A null operation."})
+    b = r.record({"messages": [{"role": "user", "content": "What is pass?"},
+                               {"role": "assistant", "content": "A null operation."}]})
+    assert a == b and chat.decoded_targets(tok, a) == ["A null operation.<turn|>"]
+
+
+def test_a_record_that_does_not_end_with_an_answer_is_refused(variants):
+    tok = loaded_tokenizer(variants["launch"])
+    with pytest.raises(ValueError, match="the last message is 'user', not 'assistant'"):
+        renderer(tok, True, False).record({"messages": TURNS[:3]})

@@ -6,8 +6,9 @@ What is proven here:
   same per-step losses, reported losses and final adapter as an uninterrupted run;
   tolerance max abs diff <= 1e-5 on every tensor (on CPU it is 0, and that is printed);
 - a damaged newest checkpoint is skipped with its reason and the previous one is used;
-- the same maths as `mlx_lm lora` under the same launch: reported train losses within
-  1e-3 relative, and the per-rank batches equal mlx-lm's iterate_batches over epochs;
+- the same maths as `mlx_lm lora` under the same launch with `batching: mlx_lm`: reported train
+  losses within 1e-3 relative, and the per-rank batches equal mlx-lm's iterate_batches over epochs;
+  the resumes run on the default batcher (`batching: length`, lib/batching.py);
 - the adapter loads with `mlx_lm generate --adapter-path` and `mlx_lm fuse`;
 - failure categories: NaN learning rate, a diverging one, a missing dataset, a global batch
   the world size does not divide; every rank writes its failure file and exit code.
@@ -180,6 +181,14 @@ def assert_same_run(base: Path, other: Path) -> None:
 
 
 @pytest.fixture(scope="module")
+def mlx_lm_cfg_path(tmp_path_factory) -> Path:
+    """The config with mlx-lm's batches and masks (`batching: mlx_lm`), to compare with raw mlx_lm lora."""
+    p = tmp_path_factory.mktemp("cfg") / "mlx_lm.yaml"
+    p.write_text(CONFIG + "batching: mlx_lm\n")
+    return p
+
+
+@pytest.fixture(scope="module")
 def baseline(model, data, cfg_path, tmp_path_factory) -> Path:
     """The uninterrupted two-rank run every resume is compared with."""
     run_dir = tmp_path_factory.mktemp("runs") / "baseline"
@@ -290,12 +299,14 @@ def parse_mlx_lm(stdout: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in map(MLX_LM_ROW.match, plain.splitlines()) if m}
 
 
-def test_reported_loss_matches_mlx_lm_lora_under_mlx_launch(baseline, model, data, cfg_path, tmp_path):
-    argv = launch_argv(module=["mlx_lm", "lora", "-c", str(cfg_path), "--train", "--model", str(model),
+def test_reported_loss_matches_mlx_lm_lora_under_mlx_launch(model, data, mlx_lm_cfg_path, tmp_path):
+    """Under `batching: mlx_lm` the trainer trains what raw `mlx_lm lora` trains."""
+    launch(*train_args(mlx_lm_cfg_path, model, data, tmp_path / "ours"))
+    argv = launch_argv(module=["mlx_lm", "lora", "-c", str(mlx_lm_cfg_path), "--train", "--model", str(model),
                                "--data", str(data), "--adapter-path", str(tmp_path / "mlx_lm_adapters")])
     p = run(argv, timeout=300)
     theirs = parse_mlx_lm(p.stdout)
-    ours = {s: e["loss"] for s, e in events(baseline, "train").items()}
+    ours = {s: e["loss"] for s, e in events(tmp_path / "ours", "train").items()}
     assert sorted(theirs) == sorted(ours) == [3, 6, 9, 12], (theirs, p.stdout[-3000:])
     worst = max(abs(ours[s] - theirs[s]) / abs(theirs[s]) for s in ours)
     print(f"mlx_lm lora vs bin/train.py train loss: worst relative difference {worst:.2e} "
@@ -324,10 +335,11 @@ def test_each_rank_gets_mlx_lms_batches(model, data):
         seen[rank, size] = [[x.tolist() for x in next(theirs)] for _ in range(3 * n)]
         ours = train.Batches(np, ds, cfg, [rank], size, 0)
         for it in range(1, 3 * n + 1):
-            assert [x.tolist() for x in ours.next(it)[0]] == seen[rank, size][it - 1], (rank, size, it)
+            assert [x.tolist() for x in ours.next(it)[0].arrays] == seen[rank, size][it - 1], (rank, size, it)
     both = train.Batches(np, ds, cfg, [0, 1], 2, 0)  # one rank resumed after a world change from 2
     for it in range(1, 3 * n + 1):
-        assert [[x.tolist() for x in b] for b in both.next(it)] == [seen[0, 2][it - 1], seen[1, 2][it - 1]], it
+        got = [[x.tolist() for x in b.arrays] for b in both.next(it)]
+        assert got == [seen[0, 2][it - 1], seen[1, 2][it - 1]], it
 
 
 def test_data_order_follows_mlx_lm_train_with_validation_draws(model, data, tmp_path):
@@ -368,12 +380,12 @@ def test_data_order_follows_mlx_lm_train_with_validation_draws(model, data, tmp_
                  loss=loss, iterate_batches=recording)
     cfg = {"seed": seed, "batch_size": 4, "max_seq_length": 2048, "steps_per_eval": 4}
     order = train.Batches(np, tr, cfg, [0], 1, len(va) // 4)
-    ours = [order.next(it)[0][0].tolist() for it in range(1, iters + 1)]
+    ours = [order.next(it)[0].arrays[0].tolist() for it in range(1, iters + 1)]
     assert len(seen) == iters and iters > 3 * (len(tr) // 4)  # over three epochs
     assert ours == seen
     # and without the validation draws the order would differ: the test can fail
     plain = train.Batches(np, tr, cfg, [0], 1, 0)
-    assert [plain.next(it)[0][0].tolist() for it in range(1, iters + 1)] != seen
+    assert [plain.next(it)[0].arrays[0].tolist() for it in range(1, iters + 1)] != seen
 
 
 # ---- the adapter in mlx-lm's layout ----------------------------------------------------------------
