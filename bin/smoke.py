@@ -49,11 +49,12 @@ def main() -> int:
     man = launch.write_manifest(run_dir, "smoke", v, hf, {"world_size": hf.size,
                                                            "rank_batches": args.rank_batches,
                                                            "chat_template_args": cfg["chat_template_args"]})
-    targs = [*launch.trainer_args(args, run_rel, args.config, iters=save_every), "--no-tracking"]  # a gate
+    quiet = ["--no-tracking", "--no-epochs-warning"]  # a few steps by design; `make plan` checks epochs
+    targs = [*launch.trainer_args(args, run_rel, args.config, iters=save_every), *quiet]  # a gate
     res, ev, argv, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, "launch-1.log", save_every)
     res2, ev2, argv2 = None, {"joined": {}}, None
     if cat is None:
-        targs = [*launch.trainer_args(args, run_rel, args.config, iters=iters, resume=True), "--no-tracking"]
+        targs = [*launch.trainer_args(args, run_rel, args.config, iters=iters, resume=True), *quiet]
         res2, ev2, argv2, cat, why = launch.launch_and_collect(args, hf, run_rel, targs, "launch-2.log",
                                                                iters)
     launch.write_reproduce(run_dir, "smoke", launch.make_cmd("smoke", v), [a for a in (argv, argv2) if a])

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-world-change", action="store_true", help="--resume on another world size, the "
                    "global batch cut as before (gradient accumulation; needs grad_average: tokens)")
     p.add_argument("--no-tracking", action="store_true", help="ignore the config's report_to (smoke)")
+    p.add_argument("--no-epochs-warning", action="store_true",
+                   help="no warning on the epochs iters makes (smoke: a few steps by design)")
     for key, typ in FLAGS:
         p.add_argument("--" + key.replace("_", "-"), type=typ, default=None)
     return p
@@ -488,7 +490,7 @@ def warn_about_data(r) -> None:
                      f"answer to max_seq_length {cfg['max_seq_length']} and are left out, the first "
                      f"{report['first_lost']}", "lost-answers", split=split, records=report["lost_answers"])
     epochs = cfg["iters"] / r.n_batches
-    if not 0.5 <= epochs <= 10:
+    if not 0.5 <= epochs <= 10 and not r.args.no_epochs_warning:
         rep.warn(f"iters {cfg['iters']} x batch_size {cfg['batch_size']} is {epochs:.2f} epochs of the "
                  f"{len(r.sets['train'])} train records: set iters for 0.5 to 10 epochs "
                  f"({r.n_batches} iters an epoch)", "epochs", epochs=round(epochs, 4))

@@ -290,3 +290,61 @@ def test_a_record_that_does_not_end_with_an_answer_is_refused(variants):
     tok = loaded_tokenizer(variants["launch"])
     with pytest.raises(ValueError, match="the last message is 'user', not 'assistant'"):
         renderer(tok, True, False).record({"messages": TURNS[:3]})
+
+
+# ---- long records, record weights, epochs: what the trainer leaves out, counts and says -------------------
+def weighted_run(model, tmp_path, name: str, extra: str, weights: list, long_at: set):
+    """bin/train.py on one rank: records r0.. with these weights, those in long_at with a prompt so long
+    that max_seq_length 48 cuts their whole answer. Returns (the process, rank 0's metrics events)."""
+    data = tmp_path / f"data-{name}"
+    data.mkdir()
+    lines = []
+    for i, w in enumerate(weights):
+        question = "Why? " * 60 if i in long_at else f"What is {i}?"
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": f"It is {i}."}]
+        lines.append(json.dumps({"messages": messages, "record_id": f"r{i}", "weight": w}) + "\n")
+    (data / "train.jsonl").write_text("".join(lines))
+    conf = tmp_path / f"{name}.yaml"
+    conf.write_text("num_layers: -1\nbatch_size: 2\niters: 2\nsave_every: 2\nval_batches: 0\nmask_prompt: true\n"
+                    "max_seq_length: 48\n"
+                    "chat_template_args: {enable_thinking: false}\n" + extra)
+    run_dir = tmp_path / f"run-{name}"
+    p = run([PY, "bin/train.py", "--config", str(conf), "--model", str(model), "--data", str(data),
+             "--run-dir", str(run_dir)], check=False, env=dict(os.environ, **OFFLINE))
+    metrics = run_dir / "metrics.jsonl"
+    events = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    return p, data / "train.jsonl", events
+
+
+def test_records_that_lose_their_whole_answer_are_refused_or_left_out_and_counted(variants, tmp_path):
+    p, path, _ = weighted_run(variants["launch"], tmp_path, "refused", "", [1.0] * 10, {3})
+    assert p.returncode == 11, p.stderr[-2000:]  # the data category
+    assert f"1 of 10 records of {path} lose their whole answer to max_seq_length 48" in p.stderr
+    assert f"the first {path}:4 (record_id r3): raise max_seq_length" in p.stderr
+    p, _, events = weighted_run(variants["launch"], tmp_path, "kept", "max_lost_answers: 0.2\n", [1.0] * 10, {3})
+    assert p.returncode == 0, p.stderr[-2000:]
+    train = next(e for e in events if e["kind"] == "data")["splits"]["train"]
+    assert (train["records"], train["kept"], train["lost_answers"]) == (10, 9, 1)
+    assert any(e["kind"] == "warning" and e["what"] == "lost-answers" for e in events)
+
+
+def test_record_weights_train_weight_zero_never_and_ignored_weights_are_said(variants, tmp_path):
+    weights = [1.0, 0.0, 0.5, 1.0, 1.0, 1.0]
+    p, _, events = weighted_run(variants["launch"], tmp_path, "weights", "record_weights: true\n", weights, set())
+    assert p.returncode == 0, p.stderr[-2000:]
+    train = next(e for e in events if e["kind"] == "data")["splits"]["train"]
+    assert (train["kept"], train["weight_zero"], train["weights_ignored"]) == (5, 1, False)
+    assert not any(e["kind"] == "warning" and e["what"] == "weights-ignored" for e in events)
+    p, _, events = weighted_run(variants["launch"], tmp_path, "ignored", "", weights, set())
+    assert p.returncode == 0, p.stderr[-2000:]
+    train = next(e for e in events if e["kind"] == "data")["splits"]["train"]
+    assert (train["kept"], train["weight_zero"], train["weights_ignored"]) == (6, 0, True)
+    assert "have a weight other than 1 and record_weights is false" in p.stdout
+
+
+def test_epochs_outside_half_to_ten_are_warned(variants, tmp_path):
+    p, _, events = weighted_run(variants["launch"], tmp_path, "epochs", "", [1.0] * 12, set())
+    assert p.returncode == 0, p.stderr[-2000:]
+    data = next(e for e in events if e["kind"] == "data")
+    assert data["batches_per_epoch"] == 6 and data["epochs"] == round(2 / 6, 4)
+    assert "iters 2 x batch_size 2 is 0.33 epochs of the 12 train records" in p.stdout

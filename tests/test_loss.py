@@ -211,3 +211,53 @@ def test_refuses_a_trainable_head_and_other_models(root):
         L.parts(model)
     with pytest.raises(RunbookError, match=r"not mlx.nn.layers.linear.Linear: set `loss: default`"):
         L.parts(nn.Linear(4, 4))
+
+
+# ---- batching: length: per-target weights (lib/batching.py) ------------------------------------------
+def weights_of(batch, spans: list, record_weights: list) -> mx.array:
+    """The weight of each target position, built by hand: a record's weight on its target tokens."""
+    w = [[0.0] * (batch.shape[1] - 1) for _ in spans]
+    for row, (row_spans, weight) in enumerate(zip(spans, record_weights, strict=True)):
+        for a, b in row_spans:
+            for j in range(a, b):
+                w[row][j - 1] = weight
+    return mx.array(w)
+
+
+def reference_weighted_loss(model, batch, weights) -> float:
+    """Sum of weight x cross-entropy over the targets, over the sum of weights, with plain numpy-side
+    arithmetic on mlx-lm's logits: the independent path for the trainer's weighted losses."""
+    logits = model(batch[:, :-1]).astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(logp, batch[:, 1:, None], axis=-1)[..., 0]
+    total, weight = 0.0, 0.0
+    for row, wrow in zip((-picked).tolist(), weights.tolist(), strict=True):
+        for ce, w in zip(row, wrow, strict=True):
+            total += ce * w
+            weight += w
+    return total / weight
+
+
+def test_weighted_losses_count_only_the_targets_with_their_weights(root):
+    model = gemma(root)
+    batch, _ = batch_of(model.args.vocab_size, False)
+    weights = weights_of(batch, [[(5, 33)], [(3, 8), (12, 20)], [(1, 27)]], [1.0, 0.5, 2.0])
+    want = reference_weighted_loss(model, batch, weights)
+    for fn in (L.weighted_default_loss, L.make_loss(25, weighted=True), L.make_loss(25, grad=False, weighted=True)):
+        got, n = fn(model, batch, weights)
+        assert abs(got.item() - want) <= 1e-5 * want and n.item() == 28 * 1.0 + 13 * 0.5 + 26 * 2.0
+    (_, _), g1 = nn.value_and_grad(model, L.weighted_default_loss)(model, batch, weights)
+    (_, _), g2 = nn.value_and_grad(model, L.make_loss(25, weighted=True))(model, batch, weights)
+    assert_trees_close(g1, g2, atol=1e-7, rel=1e-4)
+
+
+def test_a_micro_batch_without_targets_adds_nothing_and_is_never_nan(root):
+    """With answers only as targets a rank's micro-batch can hold none: 0 / 0 would be NaN and the
+    all-reduce would spread it. The loss is 0 and every gradient 0."""
+    model = gemma(root)
+    batch, _ = batch_of(model.args.vocab_size, False)
+    none = mx.zeros((batch.shape[0], batch.shape[1] - 1))
+    for fn in (L.weighted_default_loss, L.make_loss(25, weighted=True)):
+        (value, n), grads = nn.value_and_grad(model, fn)(model, batch, none)
+        assert value.item() == 0.0 and n.item() == 0.0
+        assert all(mx.all(g == 0).item() for _, g in tree_flatten(grads))
