@@ -182,9 +182,11 @@ def main() -> int:
     thinking = str(load_tokenizer(Path(args.model)).has_thinking).lower()
     config = work / "config.yaml"
     # Neither tracks (raw mlx_lm lora would start its own W&B callback); the third run of a pair does.
-    config.write_text(re.sub(r"(?m)^(grad_average|chat_template_args|report_to|project_name):.*$", "",
-                             (ROOT / args.config).read_text())
-                      + f"\ngrad_average: mlx_lm\nchat_template_args: {{enable_thinking: {thinking}}}\n")
+    # And mlx-lm's batches and masks (`batching: mlx_lm`): the P1 ratio compares the same work.
+    mine = "grad_average|chat_template_args|report_to|project_name|batching|record_weights|mask_prompt"
+    config.write_text(re.sub(rf"(?m)^({mine}):.*$", "", (ROOT / args.config).read_text())
+                      + f"\ngrad_average: mlx_lm\nchat_template_args: {{enable_thinking: {thinking}}}\n"
+                      + "batching: mlx_lm\n")
     (tracked_cfg := work / "tracked.yaml").write_text(config.read_text() + "report_to: wandb\n")
     tracked = []
     try:

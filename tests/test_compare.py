@@ -121,6 +121,7 @@ REPORT_SCHEMA = {
                  "dual": STR_OR_NONE}],
     "warnings": [str],
     "export": {"lines": [str]},
+    "dataset": {"name": STR_OR_NONE, "split_by": STR_OR_NONE, "warning": STR_OR_NONE},
     "reproduce_compare": str,
     "wall_s": NUM,
 }
@@ -553,6 +554,45 @@ def test_mismatched_datasets_are_not_comparable(world):
     rep = read_report(run_id)
     assert_valid_report(rep)
     assert rep["verdict"] == "not comparable" and rep["evaluation"] is None  # nothing evaluated
+
+
+SPLITS_SAID = [({"key": "record_id"}, "record"),  # an exporter 2.0 manifest: no split_by
+               ({"split_by": "record", "key": "record_id"}, "record"),
+               ({"split_by": "source", "key": "source"}, "source")]
+
+
+@pytest.mark.parametrize("split, split_by", SPLITS_SAID)
+def test_a_dataset_split_by_record_is_said_in_the_first_lines(world, split, split_by):
+    """#39: when the dataset was split by record, test shares documents with train: the report
+    says so first, with the fix, and report.json has it; split by source, no warning."""
+    name = f"{world['tag']}-{split_by}-{len(split)}"
+    ds = ROOT / "datasets" / name
+    world["made"] += [ds, ROOT / "runs" / name, ROOT / "runs" / f"{name}-control"]
+    shutil.copytree(ROOT / "datasets" / world["dataset"], ds)
+    man = json.loads((ds / "manifest.json").read_text())
+    atomic.write_json(ds / "manifest.json", {**man, "split": split})
+    w = {**world, "dataset": name}
+    # The control on other data: not comparable, nothing evaluated (fast), the report written.
+    for rid, role, sha in ((name, "dual", None), (f"{name}-control", "control", "0" * 64)):
+        write_run(w, rid, role, iters=4, step_s=0.05, test_loss=7.9, dataset_sha256=sha)
+        adapter_config = ROOT / "runs" / rid / "adapters" / "adapter_config.json"
+        atomic.write_json(adapter_config, {"seed": 0, "batch_size": 4})
+    p = run([PY, "bin/compare.py", "--run", name], check=False)
+    assert p.returncode == 2, p.stdout + p.stderr
+    rep = read_report(name)
+    assert_valid_report(rep)
+    md = (ROOT / "runs" / name / "compare" / "report.md").read_text().splitlines()
+    assert rep["dataset"]["name"] == name and rep["dataset"]["split_by"] == split_by
+    if split_by == "source":
+        assert rep["dataset"]["warning"] is None and not any("Warning" in line for line in md)
+        return
+    warning = rep["dataset"]["warning"]
+    assert md[2] == f"**Warning: {warning}.**" and md[4].startswith("**Verdict: "), md[:6]
+    assert warning.startswith("the test split shares documents with train"), warning
+    assert "the test loss measures recall of seen documents" in warning, warning
+    corpus = f"datasets/{world['tag']}/corpus.jsonl"
+    fix = f"split_by: source (make export CORPUS='{corpus}' DATASET={name} REPLACE=1)"
+    assert fix in warning, warning
 
 
 def test_dual_failed_with_nan_reports_its_category(world, trained):

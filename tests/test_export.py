@@ -1,11 +1,11 @@
 """export (issues #4, #13, #15): bin/export.py and `make export`, through the operator's entry points.
 
 Covers every reject reason, the accounting identity, the input shapes and the text-to-chat
-rule, remaps, gzip and globs, derived record ids, stable splits under additions, first-wins
-dedup, determinism (also across argument order and globs), atomicity (threshold failure,
-empty split, SIGTERM and SIGKILL mid-export), a dataset bound to its corpus
-and settings (refused, replaced on purpose, a no-op when the same), and mlx-lm reading and
-training on the output unchanged.
+rule, remaps, gzip and globs, derived record ids, stable splits under additions, documents kept
+whole across splits (split_by, issue #39), first-wins dedup, determinism (also across argument
+order and globs), atomicity (threshold failure, empty split, SIGTERM and SIGKILL mid-export), a
+dataset bound to its corpus and settings (refused, replaced on purpose, a no-op when the same),
+and mlx-lm reading and training on the output unchanged.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ bench = load_module("bench_export", ROOT / "bench" / "bench_export.py")
 
 # ---- helpers ----------------------------------------------------------------------------------
 def good(i: int, **kw) -> dict:
-    r = {"record_id": f"r{i:05d}", "weight": 1.0, "source": "unit",
+    """A record of its own document (split_by source groups it alone)."""
+    r = {"record_id": f"r{i:05d}", "weight": 1.0, "source": f"doc{i:05d}",
          "prompt": f"question {i}?", "response": f"answer number {i}."}
     r.update(kw)
     return r
@@ -83,6 +84,17 @@ def rejects(out: Path) -> list[dict]:
 
 def manifest(out: Path) -> dict:
     return json.loads((out / "manifest.json").read_text())
+
+
+def split_of(out: Path) -> dict[str, str]:
+    """record_id -> the split it landed in."""
+    return {r["record_id"]: s for s in ("train", "valid", "test") for r in records(out, s)}
+
+
+def split_by_rule(key: str, split: dict) -> str:
+    """The documented rule, recomputed: sha256(key)'s first 16 hex digits against the bounds."""
+    h = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return "train" if h < split["train_below"] else "valid" if h < split["valid_below"] else "test"
 
 
 def tree_bytes(out: Path) -> dict[str, bytes]:
@@ -160,7 +172,8 @@ def test_text_to_chat_prompts_come_from_config_and_command_line(tmp_path):
 
 
 def test_field_and_role_remaps(tmp_path):
-    items = [{"id": f"x{i}", "body": f"text {i}", "origin": "o", "w": 0.5} for i in range(150)]
+    items = [{"id": f"x{i}", "body": f"text {i}", "origin": f"o{i // 2}", "w": 0.5}
+             for i in range(150)]
     items += [{"id": "sg", "conversations": [{"from": "human", "value": "q"},
                                              {"from": "gpt", "value": "a"}]}]
     corpus = write(tmp_path / "c.jsonl", items)
@@ -172,11 +185,17 @@ def test_field_and_role_remaps(tmp_path):
                                   "--field", "role=from", "--field", "content=value",
                                   "--role", "gpt=assistant"])
     by_id = {r["record_id"]: r for r in records(out)}
-    assert len(by_id) == 151 and by_id["x7"]["source"] == "o" and by_id["x7"]["weight"] == 0.5
+    assert len(by_id) == 151 and by_id["x7"]["source"] == "o3" and by_id["x7"]["weight"] == 0.5
     assert by_id["x7"]["messages"][-1] == {"role": "assistant", "content": "text 7"}
     assert by_id["sg"]["messages"] == [{"role": "user", "content": "q"},
                                        {"role": "assistant", "content": "a"}]
     assert manifest(out)["settings"]["fields"]["text"] == "body"
+    # split_by source reads the remapped field: each origin's two records in one split
+    where = {}
+    for rid, split in split_of(out).items():
+        where.setdefault(by_id[rid]["source"], set()).add(split)
+    assert all(len(splits) == 1 for splits in where.values()), where
+    assert manifest(out)["split"]["groups"]["train"] < manifest(out)["counts"]["train"]
 
 
 # ---- rejects -----------------------------------------------------------------------------------
@@ -324,6 +343,8 @@ def test_bad_settings_and_inputs_name_the_fix(tmp_path):
         (["--ratios", "0.9,0.1,0"], "ratios.test must be > 0", "export-bad-settings"),
         (["--field", "txt=body"], "unknown canonical field(s) txt", "export-bad-settings"),
         (["--role", "gpt=bot"], "roles must map corpus roles", "export-bad-settings"),
+        (["--split-by", " "], "split_by must be a record field (e.g. source) or record",
+         "export-bad-settings"),
     ]
     for args, text, anchor in cases:
         p = export(corpus, out=tmp_path / "ds", args=args, check=False)
@@ -411,27 +432,136 @@ def wait_for_partial_output(out: Path, proc: subprocess.Popen) -> None:
 
 
 # ---- splits, dedup, determinism ----------------------------------------------------------------
-def test_split_is_stable_when_records_are_added(tmp_path):
+def documents(n_docs: int, first: int = 0, seed: int = 0) -> list[dict]:
+    """Records of n_docs documents (source doc-NNNN), 1 to 30 records each, interleaved."""
+    rng = random.Random(seed)
+    out = []
+    for d in range(first, first + n_docs):
+        out += [good(d * 100 + k, source=f"doc-{d:04d}") for k in range(rng.randint(1, 30))]
+    rng.shuffle(out)
+    return out
+
+
+def test_split_by_source_keeps_each_document_in_one_split(tmp_path):
+    """#39: the default splits documents, not records: no source is in two splits. A record
+    without a source is its own group (split by its record_id) and counted, in the manifest."""
+    loose = [{"record_id": f"loose-{i}", "text": f"no source {i}"} for i in range(40)]
+    items = documents(80) + loose
+    corpus = write(tmp_path / "c.jsonl", items)
+    out = tmp_path / "ds"
+    p = export(corpus, out=out)
+    where = split_of(out)
+    by_source = {}
+    for it in items:
+        by_source.setdefault(it.get("source"), set()).add(where[it["record_id"]])
+    loose_splits = by_source.pop(None)
+    assert len(by_source) == 80 and all(len(s) == 1 for s in by_source.values()), by_source
+    assert len(loose_splits) == 3  # 40 records alone, by record_id: they spread
+    # The rule, recomputed: a document's split is sha256(source)'s, a loose record's its id's
+    m = manifest(out)
+    sp = m["split"]
+    for src, splits in by_source.items():
+        assert splits == {split_by_rule(src, sp)}, src
+    for it in loose:
+        assert where[it["record_id"]] == split_by_rule(it["record_id"], sp)
+    # The manifest: split_by, and each split's groups (documents + loose records), counted here
+    groups = {k: 0 for k in ("train", "valid", "test")}
+    for splits in by_source.values():
+        groups[next(iter(splits))] += 1
+    for it in loose:
+        groups[where[it["record_id"]]] += 1
+    assert sp["split_by"] == "source" and sp["key"] == "source"
+    assert m["settings"]["split_by"] == "source"
+    assert sp["groups"] == groups and sp["records_without_field"] == 40
+    assert all(n > 0 for n in groups.values()) and sum(groups.values()) == 120
+    line = (f"export_split split_by source groups_train {groups['train']} groups_valid "
+            f"{groups['valid']} groups_test {groups['test']} records_without_field 40")
+    assert line in p.stdout, p.stdout
+
+
+def test_split_by_record_keeps_the_record_id_rule(tmp_path):
+    """split_by: record is exporter 2.0's split: sha256(record_id) alone, so a document's records
+    spread over the splits; stable when records are added."""
     rng = random.Random(1)
-    old = [good(i) for i in range(3000)]
+    old = [good(i, source="one-document") for i in range(3000)]
     out1, out2 = tmp_path / "v1", tmp_path / "v2"
-    export(write(tmp_path / "v1.jsonl", old), out=out1)
+    export(write(tmp_path / "v1.jsonl", old), out=out1, args=["--split-by", "record"])
     grown = list(old)
     for i in range(300):  # 10% new records, anywhere in the file
-        grown.insert(rng.randrange(len(grown) + 1), good(10_000 + i))
-    export(write(tmp_path / "v2.jsonl", grown), out=out2)
-    where1 = {r["record_id"]: s for s in ("train", "valid", "test") for r in records(out1, s)}
-    where2 = {r["record_id"]: s for s in ("train", "valid", "test") for r in records(out2, s)}
+        grown.insert(rng.randrange(len(grown) + 1), good(10_000 + i, source="one-document"))
+    export(write(tmp_path / "v2.jsonl", grown), out=out2, args=["--split-by", "record"])
+    where1, where2 = split_of(out1), split_of(out2)
     moved = [k for k in where1 if where1[k] != where2[k]]
     assert len(where1) == 3000 and len(where2) == 3300 and moved == []
     c = manifest(out1)["counts"]
     assert 0.87 < c["train"] / 3000 < 0.93 and c["valid"] > 100 and c["test"] > 100
     # the documented rule, recomputed here: sha256(record_id)'s first 16 hex digits
     split = manifest(out2)["split"]
-    for rid, s in where2.items():
-        h = hashlib.sha256(rid.encode()).hexdigest()[:16]
-        want = "train" if h < split["train_below"] else "valid" if h < split["valid_below"] else "test"
-        assert s == want
+    assert all(s == split_by_rule(rid, split) for rid, s in where2.items())
+    assert split["split_by"] == "record" and split["key"] == "record_id"
+    assert split["groups"] == {k: manifest(out2)["counts"][k] for k in ("train", "valid", "test")}
+    assert split["records_without_field"] == 0
+
+
+def test_a_split_with_no_document_is_refused_with_the_numbers_and_the_fix(tmp_path):
+    """One document cannot fill three splits: refused, naming groups and records per split and the
+    fixes; nothing written. split_by record exports the same corpus."""
+    corpus = write(tmp_path / "c.jsonl", [good(i, source="the-manual") for i in range(300)])
+    out = tmp_path / "ds"
+    p = export(corpus, out=out, check=False)
+    assert p.returncode == 1 and not out.exists()
+    err = p.stderr
+    bounds = {"train_below": "e666666666666666", "valid_below": "f333333333333333"}  # 90/5/5
+    home = split_by_rule("the-manual", bounds)
+    per_split = [f"{k} 1 / 300" if k == home else f"{k} 0 / 0" for k in ("train", "valid", "test")]
+    got = ", ".join(per_split)
+    assert "would be empty: 300 exported records in 1 group(s) by source" in err, err
+    assert f"(groups / records: {got})" in err, err
+    assert "add documents" in err and "--ratios" in err and "--split-by record" in err
+    assert err.rstrip().endswith("see RUNBOOK.md#export-empty-split")
+    export(corpus, out=out, args=["--split-by", "record"])
+    assert manifest(out)["counts"]["exported"] == 300
+
+
+def test_split_by_another_field_groups_its_values(tmp_path):
+    """split_by names any record field: a value is a group (5 and "5" alike, as for record_id); a
+    record whose field is absent, null or blank is its own group."""
+    items = [good(i, doc=i % 40) for i in range(200)]
+    items += [good(200 + i, doc=str(i)) for i in range(40)]
+    items += [good(300, doc=None), good(301, doc="  "), good(302)]
+    out = tmp_path / "ds"
+    export(write(tmp_path / "c.jsonl", items), out=out, args=["--split-by", "doc"])
+    where = split_of(out)
+    by_doc = {}
+    for it in items[:240]:
+        by_doc.setdefault(str(it["doc"]), set()).add(where[it["record_id"]])
+    assert len(by_doc) == 40 and all(len(s) == 1 for s in by_doc.values()), by_doc
+    sp = manifest(out)["split"]
+    assert (sp["split_by"], sp["key"], sp["records_without_field"]) == ("doc", "doc", 3)
+    assert sum(sp["groups"].values()) == 43
+    for it in items[240:]:
+        assert where[it["record_id"]] == split_by_rule(it["record_id"], sp)
+
+
+def test_split_by_source_is_stable_when_documents_and_records_are_added(tmp_path):
+    """#39: adding records (of new documents, and of old ones) anywhere in the corpus moves no old
+    record; an old document's new records join it."""
+    rng = random.Random(2)
+    old = documents(120)
+    out1, out2 = tmp_path / "v1", tmp_path / "v2"
+    export(write(tmp_path / "v1.jsonl", old), out=out1)
+    grown = list(old)
+    added = documents(30, first=120, seed=3)
+    added += [good(900_000 + k, source=f"doc-{k:04d}") for k in range(40)]  # of old documents
+    for it in added:
+        grown.insert(rng.randrange(len(grown) + 1), it)
+    export(write(tmp_path / "v2.jsonl", grown), out=out2)
+    where1, where2 = split_of(out1), split_of(out2)
+    assert len(where2) == len(where1) + len(added)
+    assert [k for k in where1 if where1[k] != where2[k]] == []
+    doc_split = {it["source"]: where1[it["record_id"]] for it in old}
+    for it in added[-40:]:
+        assert where2[it["record_id"]] == doc_split[it["source"]]
 
 
 def test_duplicates_are_kept_once_first_in_sorted_file_order(tmp_path):
@@ -594,7 +724,8 @@ def test_another_corpus_or_settings_is_refused_and_the_dataset_left_as_it_is(tmp
     before, c = tree_bytes(out), manifest(out)["counts"]
     other = write(tmp_path / "other.jsonl", GOOD[:150] + [good(900)])
     for corpus, args, differ in [(other, [], "corpus files"), (first, ["--ratios", "0.8,0.1,0.1"], "ratios"),
-                                 (first, ["--text-user-prompt", "Go."], "text_user_prompt")]:
+                                 (first, ["--text-user-prompt", "Go."], "text_user_prompt"),
+                                 (first, ["--split-by", "record"], "split_by")]:
         p = export(corpus, out=out, args=args, check=False)
         assert p.returncode == 1, p.stdout
         err = p.stderr
@@ -609,6 +740,25 @@ def test_another_corpus_or_settings_is_refused_and_the_dataset_left_as_it_is(tmp
     p = export(other, out=out, replace=True)  # on purpose
     assert "export_done" in p.stdout and manifest(out)["sources"][0]["path"] == str(other)
     assert manifest(out)["counts"]["exported"] == 151
+
+
+def test_a_dataset_of_exporter_2_0_was_split_by_record(tmp_path):
+    """A manifest without split_by (exporter 2.0) is bound to split_by record: the new default is
+    another setting (refused unless --replace); --split-by record re-exports the same bytes."""
+    out = tmp_path / "ds"
+    corpus = write(tmp_path / "c.jsonl", GOOD)
+    export(corpus, out=out, args=["--split-by", "record"])
+    m = manifest(out)
+    del m["settings"]["split_by"]
+    m["split"] = {k: m["split"][k] for k in ("key", "ratios", "train_below", "valid_below")}
+    m["exporter"]["version"] = "2.0.0"
+    (out / "manifest.json").write_text(json.dumps(m))
+    p = export(corpus, out=out, check=False)
+    assert p.returncode == 1 and "(split_by differ)" in p.stderr, p.stderr
+    before = {n: (out / n).read_bytes() for n in SPLIT_FILES}
+    p = export(corpus, out=out, args=["--split-by", "record"])
+    assert "why another exporter version" in p.stdout
+    assert {n: (out / n).read_bytes() for n in SPLIT_FILES} == before
 
 
 def test_the_same_corpus_and_settings_again_change_nothing(tmp_path):

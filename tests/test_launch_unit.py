@@ -134,7 +134,8 @@ def test_reproduce_starts_with_the_export_that_made_the_dataset(tmp_path, monkey
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join((ROOT / "datasets" / "sample" / "corpus.jsonl").read_text().splitlines(True)[:120]))
-    flags = ["--ratios", "80,10,10", "--max-chars", "4000", "--text-user-prompt", "Say it: 'quoted' & $HOME"]
+    flags = ["--ratios", "80,10,10", "--max-chars", "4000", "--text-user-prompt",
+             "Say it: 'quoted' & $HOME", "--split-by", "record"]  # not the default: carried
     subprocess.run([sys.executable, "bin/export.py", str(corpus), "--out", str(tmp_path / "orig"), *flags],
                    cwd=ROOT, check=True, capture_output=True)
     monkeypatch.setattr(launch.paths, "DATASETS", tmp_path)
@@ -168,6 +169,22 @@ def test_a_corpus_name_with_a_newline_cannot_become_a_command_in_reproduce_sh(tm
     lines = (tmp_path / "reproduce.sh").read_text().split("\n# --- stage: export ---\n", 1)[1].split("\n\n")[0]
     cmds = [w for w in shlex.split(lines, comments=True)]
     assert cmds[:2] == ["make", "export"] and f"CORPUS={evil}" in cmds and "touch" not in cmds, cmds
+
+
+def test_reproduce_exports_a_dataset_of_exporter_2_0_by_record(tmp_path, monkeypatch):
+    """#39: a manifest without split_by was split by record; its export line says so, or the new
+    default (split_by source) would make another dataset."""
+    import json
+    import shlex
+
+    monkeypatch.setattr(launch.paths, "DATASETS", tmp_path)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps({
+        "sources": [{"path": "c.jsonl", "sha256": "ab"}], "settings": {"max_chars": 900},
+        "split": {"key": "record_id"}}))
+    line = launch.export_section("old")[-1]
+    words = dict(w.split("=", 1) for w in shlex.split(line)[2:])
+    assert shlex.split(words["EXPORT_ARGS"]) == ["--max-chars=900", "--split-by=record"], line
 
 
 def test_reproduce_says_when_the_corpus_is_not_recorded(tmp_path, monkeypatch):

@@ -45,6 +45,7 @@ SCHEMA = {
     "batch_configuration": {
         "per_gpu_batch_size": M("int>=1"), "total_batch_size": "int>=1", "gradient_accumulation_steps": "int>=1",
         "learning_rate": "num>=0", "warmup_epochs": M("num>=0"), "epochs": M("num>=0"), "fits_memory": M("bool"),
+        "epochs_warning": "text",
         "recommended": M({"per_gpu_batch_size": "int>=1", "gradient_accumulation_steps": "int>=1",
                           "config_batch_size": "int>=1", "largest_fitting_batch": "int>=1",
                           "largest_fitting_batch_kind": "=measured|lower_bound", "why": "str"})},
@@ -199,6 +200,35 @@ def test_plan_with_nothing_measured_says_so_and_strict_fails(tmp_path):
     assert doc["batch_configuration"]["per_gpu_batch_size"] == 3  # from the config: known without measuring
     p, _ = plan(tmp_path, "--strict", check=False)
     assert p.returncode == 1 and "pre-flight unknown" in p.stderr and "see RUNBOOK.md#plan" in p.stderr
+
+
+@pytest.mark.parametrize("iters, warned", [(20, "raise iters"), (400, None),
+                                           (4000, "lower iters")])
+def test_epochs_are_iters_times_batch_size_over_the_train_records(tmp_path, iters, warned):
+    """#39: the plan says how many passes over this dataset's train split `iters` makes (an
+    iteration is one batch of batch_size records, whatever grad_accumulation_steps), and warns out
+    of 0.5..10 epochs, naming what to change."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / CONFIG).read_text())
+    cfg.update(iters=iters, grad_accumulation_steps=2, save_every=2)
+    config = tmp_path / "epochs.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    p, doc = plan(tmp_path, config=str(config))
+    assert validate(doc, SCHEMA) == []
+    man = json.loads((ROOT / "datasets" / DATASET / "manifest.json").read_text())
+    records = man["files"]["train.jsonl"]["records"]
+    epochs = iters * cfg["batch_size"] / records
+    bc = doc["batch_configuration"]
+    assert bc["epochs"] == pytest.approx(epochs)
+    assert f"plan-epochs epochs {epochs:.6g} train_records {records}" in p.stdout, p.stdout
+    if warned is None:
+        assert bc["epochs_warning"] == "" and "warning stage plan" not in p.stdout
+        return
+    assert warned in bc["epochs_warning"] and str(config) in bc["epochs_warning"], bc
+    assert f"is {epochs:.2f} epochs of {records} train records" in bc["epochs_warning"]
+    assert f"one epoch: {math.ceil(records / cfg['batch_size'])} iters" in bc["epochs_warning"]
+    assert f"warning stage plan what epochs message {json.dumps(bc['epochs_warning'])}" in p.stdout
 
 
 def test_a_calibration_of_other_hosts_or_settings_is_not_used(runs_dir):

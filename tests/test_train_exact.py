@@ -194,7 +194,9 @@ def batch():
 
 
 def cfg_of(**keys) -> dict:
-    return C.resolve(None, {"model": str(MODEL), "data": "unused", "num_layers": -1, "learning_rate": 1e-2, **keys})
+    """mlx-lm's batches (`batching: mlx_lm`): these tests compare the step with mlx-lm's own."""
+    return C.resolve(None, {"model": str(MODEL), "data": "unused", "num_layers": -1, "learning_rate": 1e-2,
+                            "batching": "mlx_lm", **keys})
 
 
 def test_all_reduce_on_cpu_stream_and_losses_equal_mlx_lm(monkeypatch):
@@ -308,7 +310,7 @@ def test_no_improvement_warns(tmp_path):
     bad = write_dataset(tmp_path / "bad", n_train=24, n_valid=4, n_test=4)
     (bad / "valid.jsonl").write_text("".join(json.dumps({"text": "!" * 80}) + "\n" for _ in range(8)))
     (bad / "manifest.json").unlink()
-    cfg = config(tmp_path, "worse", steps_per_eval=3, divergence_factor=1000.0)
+    cfg = config(tmp_path, "worse", steps_per_eval=3, divergence_factor=1000.0, batching="mlx_lm")
     p = one_rank(cfg, bad, tmp_path / "run", "--optimizer", "adam", "--learning-rate", "5e-2", "--iters", "3")
     w = events(tmp_path / "run", "warning")[3]
     assert w["what"] == "no-improvement" and w["loss"] >= w["val_loss_step0"], w
