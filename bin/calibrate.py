@@ -81,11 +81,14 @@ def measure_batch(st, b: int, steps: int, update: bool = True) -> dict:
     `update`, only the forward and backward (no all-reduce, no optimizer step)."""
     mx, seq, times = st.mx, int(st.cfg["max_seq_length"]), []
     x = mx.random.randint(0, 256, (b, seq), key=mx.random.key(0)).astype(mx.int32)  # ids every vocab has
-    lengths = mx.array([[0, seq]] * b, dtype=mx.int32)
+    if st.cfg["batching"] == "length":  # the trainer's weights: every position of a full row a target
+        targets = mx.ones((b, seq - 1), dtype=mx.float32)
+    else:  # mlx-lm's (offset, length) per row
+        targets = mx.array([[0, seq]] * b, dtype=mx.int32)
     mx.reset_peak_memory()
     for _ in range(steps + 1):
         t0 = time.perf_counter()
-        loss, toks, out = st.step((x, lengths), None, update)
+        loss, toks, out = st.step((x, targets), None, update)
         mx.eval(st.state, loss, toks, out)
         times.append(time.perf_counter() - t0)
         if not math.isfinite(loss.item()):
