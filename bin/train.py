@@ -298,7 +298,8 @@ class Batches:
         from mlx_lm.tuner.trainer import iterate_batches
 
         one = types.SimpleNamespace(rank=lambda: 0, size=lambda: self.shards)
-        gen = iterate_batches(self.dataset, self.cfg["batch_size"], self.cfg["max_seq_length"], comm_group=one)
+        cfg = self.cfg
+        gen = iterate_batches(self.dataset, cfg["batch_size"], cfg["max_seq_length"], comm_group=one)
         with redirect_stdout(io.StringIO()):
             return mlx_lm_micro_batch(next(gen))
 

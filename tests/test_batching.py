@@ -79,7 +79,6 @@ def renderer_parts(renderer, record):
 
 def test_padding_on_the_sample_corpus_is_a_tenth_of_mlx_lms(sample):
     """Two ranks' micro-batches over one epoch, counted from the arrays each batcher yields."""
-    import mlx.core as mx
     import numpy as np
     from mlx_lm.tuner.trainer import iterate_batches
 
