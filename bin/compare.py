@@ -110,8 +110,21 @@ def run_facts(role: str, run_id: str) -> dict:
         "adapter": paths.rel(adapter) if (adapter / "adapters.safetensors").is_file() else None,
         "stage_wall_s": finite(summary.get("wall_s")), "metrics": mets, "tok_per_s": finite(throughput(mets)),
         "checkpoints_written": sum(m.get("kind") == "checkpoint" for m in mets),
+        **trained_on(summary),
         "reproduce": {b.split(" ", 1)[0]: "# --- stage: " + b.strip() for b in sections},
     }
+
+
+def trained_on(summary: dict) -> dict:
+    """What the run trained on (its train.json / control.json `data`): the batches, the targets,
+    the padding, the epochs, and the train records kept and left out."""
+    data = summary.get("data") or {}
+    train = (data.get("splits") or {}).get("train") or {}
+    left_out = {k: train[k] for k in ("lost_answers", "weight_zero") if train.get(k)}
+    return {"batching": data.get("batching"), "mask_prompt": data.get("mask_prompt"),
+            "record_weights": data.get("record_weights"), "weights_ignored": train.get("weights_ignored"),
+            "padding_fraction": summary.get("padding_fraction"), "epochs": summary.get("epochs"),
+            "train_records_trained": train.get("kept"), "train_records_left_out": left_out or None}
 
 
 def comparability(dual: dict, control: dict, disk_dataset: str | None, disk_model: str | None) -> dict:

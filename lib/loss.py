@@ -137,3 +137,16 @@ def make_loss(chunk_tokens: int = CHUNK_TOKENS, grad: bool = True, weighted: boo
         return ce_sum(h)[0] / denominator, ntoks
 
     return loss
+
+
+def row_losses(model, batch: mx.array, weights: mx.array, chunk_tokens: int = CHUNK_TOKENS) -> tuple:
+    """Each row's summed target cross-entropy and its weight (scoring: compare), never holding more
+    than one chunk of logits: ([rows] float32 loss sums, [rows] float32 weights)."""
+    backbone, head, cap = parts(model)
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    h = backbone(inputs)
+    rows, width = targets.shape
+    flat = h.reshape(-1, h.shape[-1])
+    m = weights.reshape(-1).astype(mx.float32)
+    per_token = chunks(flat, targets.reshape(-1), m, head_ops(head), cap, chunk_tokens, False)
+    return per_token.reshape(rows, width).sum(axis=1), weights.astype(mx.float32).sum(axis=1)

@@ -348,3 +348,23 @@ def test_epochs_outside_half_to_ten_are_warned(variants, tmp_path):
     data = next(e for e in events if e["kind"] == "data")
     assert data["batches_per_epoch"] == 6 and data["epochs"] == round(2 / 6, 4)
     assert "iters 2 x batch_size 2 is 0.33 epochs of the 12 train records" in p.stdout
+
+
+def test_the_shipped_configs_train_answers_only_never_exports_fixed_prompt(demo_inputs):
+    """Observation 4: stage 1 trained prompts and template (mask_prompt: false), and export's fixed
+    text prompt was in 39% of the train records. Under the shipped configs no target holds it."""
+    from conftest import SAMPLE_DATASET
+
+    from lib import jsonl
+
+    fixed = "Write a passage from the reference documentation."
+    tok = loaded_tokenizer(ROOT / "models" / "tiny-gemma4")
+    records = list(jsonl.read(ROOT / "datasets" / SAMPLE_DATASET / "train.jsonl"))[:300]
+    assert sum(fixed in json.dumps(r) for r in records) > 50  # the prompt is there to be learned
+    for name in ("stage1", "demo"):
+        cfg = C.resolve(ROOT / "configs" / f"{name}.yaml", {"model": "m", "data": "d"})
+        assert cfg["mask_prompt"] is True and cfg["batching"] == "length", name
+        r = chat.Renderer(tok, cfg)
+        targets = [t for rec in records for t in chat.decoded_targets(tok, r.record(rec))]
+        assert len(targets) == len(records)  # one answer each: single-turn records
+        assert not any(fixed in t or "<|turn>" in t for t in targets), name

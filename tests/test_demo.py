@@ -29,6 +29,13 @@ def check_report(run: str, root: Path = ROOT) -> dict:
     samples, by = report["samples"], report["by_source"]
     assert len(samples) == 4 and all(isinstance(x[k], str) for x in samples for k in ("base", "control", "dual"))
     assert by and all(isinstance(r[k], float) for r in by for k in ("base", "control", "dual")), by
+    # What both runs trained on (issue 39): the trainer's batches, answers only, little padding.
+    for role in ("dual", "control"):
+        facts = report["runs"][role]
+        assert facts["batching"] == "length" and facts["mask_prompt"] is True, facts
+        assert 0 < facts["padding_fraction"] <= 0.10 and facts["epochs"] > 0, facts
+        assert facts["train_records_trained"] > 0, facts
+    assert "| padding_fraction |" in md and "| epochs |" in md
     return report
 
 

@@ -201,7 +201,9 @@ def check_smoke(run, fabric, hosts):
         == {"enable_thinking": False} and fmt["has_thinking"] is True
     rec = fmt["first_record"]
     assert rec["text"].startswith("<bos><|turn>") and "<|think|>" not in rec["text"]
-    assert rec["text"].endswith("<turn|>\n") and 0 <= rec["loss_from"] < rec["tokens"]
+    assert rec["text"].endswith("<turn|>\n") and rec["tokens"] > 0
+    # configs/smoke.yaml keeps mask_prompt false: the whole record after <bos> is its one target
+    assert rec["targets"] == [rec["text"].removeprefix("<bos>")], rec["targets"]
     # Every rank's log came home; the checkpoint came from rank 0's host.
     logs = ROOT / f"runs/{run}/smoke/logs"
     assert {f"rank-{r}.log" for r in range(n)} <= {f.name for f in logs.iterdir()}

@@ -443,13 +443,18 @@ def test_lora_trains_and_the_adapter_loads_in_fuse_and_generate(forms, chat_data
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
     adapters = run_dir / "adapters"
     assert (adapters / "adapters.safetensors").is_file()
-    # mask_prompt: the loss starts right after `<|turn>model\n` in either template variant (issue #26)
+    # mask_prompt: the targets are the answer and its <turn|>, after the served generation prompt (the
+    # launch variant's empty thought channel included) in either template variant (issues #26, #39)
     from mlx_lm.utils import load_tokenizer
 
     first = json.loads((run_dir / "logs" / "rank-0.joined.json").read_text())["chat_format"]["first_record"]
     ids = load_tokenizer(forms[form]).encode(first["text"], add_special_tokens=False)
-    assert len(ids) == first["tokens"] and load_tokenizer(forms[form]).decode(ids[:first["loss_from"]]).endswith(
-        "<|turn>model\n")
+    assert len(ids) == first["tokens"] and len(first["targets"]) == 1
+    answer = first["targets"][0]
+    assert answer.endswith("<turn|>") and first["text"].endswith(answer + "\n")
+    prompt = first["text"][: -len(answer) - 1]
+    served = "<|turn>model\n" + ("" if form.endswith("current") else "<|channel>thought\n<channel|>")
+    assert prompt.endswith(served), prompt[-60:]
     # Exact resume on this layout: stopped after step 2, resumed to step 3, the same adapter bit for bit.
     assert_resumes_exactly(cfg, forms[form], chat_data, run_dir, tmp_path / "resumed", env)
 
