@@ -218,7 +218,7 @@ smoke: $(STAMPS)/smoke.$(RUN)
 $(STAMPS)/smoke.$(RUN): datasets/$(DATASET)/manifest.json $(CODE) $(SMOKE_CONFIG) $(HOSTFILE) $(VENV)/.stamp $(call stale,runs/$(RUN)/smoke.json) | $(STAMPS)
 	$(call need,MODEL)$(guard_real)$(SYNC_CMD)
 	$(PARITY_GATE)
-	$(PY) bin/smoke.py --config $(SMOKE_CONFIG) $(LAUNCH_ARGS)
+	$(PY) bin/smoke.py --config $(SMOKE_CONFIG) --train-config $(CONFIG) $(LAUNCH_ARGS)
 	touch $@
 
 ## train: the real run (CONFIG) after a passing smoke; RESUME=1 continues from the latest good checkpoint

@@ -2,7 +2,8 @@
 """smoke: a tiny run through the real launcher, a checkpoint, a resume; the plan's gate.
 
 Usage:
-    python bin/smoke.py --run R --hostfile H --config C --model M --dataset D --remote-root DIR --python PY
+    python bin/smoke.py --run R --hostfile H --config C --model M --dataset D --remote-root DIR --python PY \
+        [--train-config CONFIG]
 
 Example (what `make smoke` runs after sync and check-parity):
     python bin/smoke.py --run stage1 --hostfile hostfile.json --config configs/smoke.yaml \
@@ -11,7 +12,8 @@ Example (what `make smoke` runs after sync and check-parity):
 
 Launch 1 trains to save_every, launch 2 resumes to iters. Then one line per criterion (every rank
 joined with the expected world size on the synced dataset; the checkpoints verify; validation ran;
-the resume continued the step count), runs/<RUN>/smoke.json, and exit 0 only when all hold.
+the resume continued the step count), runs/<RUN>/smoke.json, and exit 0 only when all hold. With
+--train-config (make passes CONFIG), also the epochs the real run's iters make of the train split.
 """
 
 from __future__ import annotations
@@ -25,14 +27,39 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib import checkpoint as ckpt  # noqa: E402
+from lib import config as C  # noqa: E402
 from lib import launch, paths, supervisor  # noqa: E402
+from lib.dataset import read_manifest  # noqa: E402
 from lib.log import RunbookError, die, event  # noqa: E402
+
+EPOCHS_LOW, EPOCHS_HIGH = 0.5, 10  # below: most records never trained; above: each memorized
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     launch.add_common_args(p)
+    p.add_argument("--train-config", help="the real run's config: print the epochs its iters make")
     return p
+
+
+def train_epochs(args) -> dict | None:
+    """The epochs the real run's iters x batch_size make of this dataset's train split, printed, and a
+    warning outside EPOCHS_LOW..EPOCHS_HIGH (the trainer's smoke run itself is a few steps by design)."""
+    if not args.train_config:
+        return None
+    cfg = C.resolve(args.train_config, {"model": args.model, "data": f"datasets/{args.dataset}"})
+    records = read_manifest(paths.DATASETS / args.dataset)["files"]["train.jsonl"]["records"]
+    epochs = cfg["iters"] * cfg["batch_size"] / records
+    out = {"config": args.train_config, "iters": cfg["iters"], "batch_size": cfg["batch_size"],
+           "train_records": records, "epochs": round(epochs, 4)}
+    event("smoke-epochs", **out)
+    if not EPOCHS_LOW <= epochs <= EPOCHS_HIGH:
+        message = (f"{args.train_config}: iters {cfg['iters']} x batch_size {cfg['batch_size']} is "
+                   f"{epochs:.2f} epochs of the {records} train records: set iters for "
+                   f"{EPOCHS_LOW} to {EPOCHS_HIGH} epochs before make train")
+        event("warning", stage="smoke", what="epochs", message=json.dumps(message))
+        out["warning"] = message
+    return out
 
 
 def main() -> int:
@@ -79,6 +106,11 @@ def main() -> int:
     }
     for name, (ok, detail) in crit.items():
         event("smoke-check", name=name, status="ok" if ok else "FAIL", detail=detail)
+    try:
+        epochs = train_epochs(args)
+    except (RunbookError, ValueError, KeyError) as e:  # the train config is train's to refuse
+        event("warning", stage="smoke", what="epochs", message=json.dumps(f"epochs not known: {e}"))
+        epochs = None
     if fmt := joined.get(0, {}).get("chat_format"):  # rank 0's first train record, as the trainer rendered it
         rec = fmt["first_record"]
         event("smoke-chat-format", chat_template_args=json.dumps(fmt["chat_template_args"]),
@@ -88,6 +120,7 @@ def main() -> int:
     summary = launch.summarize(res2 or res, cat, why, {
         "stage": "smoke", "run": args.run, "run_dir": run_rel, "world_size": hf.size, "swept": ev["swept"],
         "criteria": {k: {"ok": c, "detail": d} for k, (c, d) in crit.items()}, "chat_format": fmt,
+        "train_epochs": epochs,
         "launches": [{"returncode": r.returncode, "wall_s": round(r.wall_s, 3)} for r in (res, res2) if r],
         "total_wall_s": round(time.time() - t0, 3), "ok": cat is None and all(ok for ok, _ in crit.values())})
     return supervisor.release(args, launch.conclude(run_dir, "smoke", summary, cfg, argv2 or argv, hf.size))

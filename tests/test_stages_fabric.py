@@ -203,6 +203,9 @@ def check_smoke(run, fabric, hosts):
     assert rec["text"].startswith("<bos><|turn>") and "<|think|>" not in rec["text"]
     assert rec["text"].endswith("<turn|>\n") and rec["tokens"] > 0
     # answers only, as the train config (#39): the one target is the answer and its <turn|>, at the end
+    # the epochs the real run's CONFIG makes of this train split, printed by smoke (#39)
+    epochs = summary["train_epochs"]
+    assert epochs["epochs"] == round(epochs["iters"] * epochs["batch_size"] / epochs["train_records"], 4)
     (answer,) = rec["targets"]
     assert answer.endswith("<turn|>") and "<|turn>" not in answer and rec["text"].endswith(answer + "\n")
     # Every rank's log came home; the checkpoint came from rank 0's host.
