@@ -453,13 +453,13 @@ def setup(args, coll: Group, rep: Reporter):
                         "dataset_sha256": r.ds_sha, "world_size": coll.size, "launch_id": args.launch_id}}
     if rank0:
         rep.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
-        rep.event("data", r.start, **data_summary(r))
-        warn_about_data(r)
         if cfg["report_to"] and not args.no_tracking:  # W&B's start: up to INIT_TIMEOUT_S when offline
             with rep.beating("tracking"):
                 rep.tracker = Tracker(partial(rep.warn, what="tracking"))
                 rep.tracker.start(cfg, run_dir, r.start)
             rep.event("tracking", r.start, **rep.tracker.info)
+        rep.event("data", r.start, **data_summary(r))  # after the tracker starts: W&B gets it too
+        warn_about_data(r)
         ckpt.sweep_temporaries(r.ckroot)
         atomic.write_json(r.adapters / "adapter_config.json", r.adapter_config)
         if r.world_change:
