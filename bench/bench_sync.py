@@ -17,9 +17,10 @@ a change of machine load hits both sides alike):
      transfer, sha256 verification on each host, swap);
 then, after the last repetition, `bin/sync.py` again with nothing changed, --reps times: the
 no-op re-sync the target is about (a probe per host that hashes the host's whole copy: there
-are no hash caches). Both figures are medians.
-Prints `sync_throughput_mb_s: X (ratio Y vs bare rsync Z MB/s)` and
-`sync_noop_s: X (ratio Y vs target T s)`; exits 1 when a target is missed.
+are no hash caches). Prints the medians, then the gated figures with their medians, spreads and
+verdicts (bench/gate.py): `sync_throughput_ratio` (each pair's bin/sync.py MB/s over its bare
+rsync's, target >= 0.7) and `sync_noop_s` (a sample a re-sync, target <= 1 s); exits 1 when a
+target is missed by every sample, 2 when a sync fails.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 import fabric_cli  # noqa: E402  (bench/fabric_cli.py: tests/fabric.py through its CLI)
 from fabric_cli import write_manifest  # noqa: E402
+from gate import Gate, emit, missed  # noqa: E402  (bench/gate.py: samples, spread, verdict)
 
 from lib.remote import rsh  # noqa: E402
 
@@ -76,83 +79,127 @@ def dir_bytes(d: Path) -> int:
     return sum(f.stat().st_size for f in d.iterdir() if f.is_file())
 
 
+@dataclass
+class Timings:
+    """Each pair's bare rsync and bin/sync.py seconds, the no-op re-syncs', the bytes sent."""
+
+    bare: list = field(default_factory=list)
+    sync: list = field(default_factory=list)
+    noop: list = field(default_factory=list)
+    mb: float = 0.0
+    hosts: int = 0
+
+
+def measure(args, fab, name: str) -> Timings:
+    """--reps pairs (bare rsync, then bin/sync.py, each into a fresh folder), then --reps no-ops."""
+    fenv = fab.env()
+    hosts = fab.hosts[: args.hosts]
+    hf = fab.hostfile(hosts)
+    d = make_dataset(name, args.mb)
+    t = Timings(mb=dir_bytes(d) * len(hosts) / 1e6, hosts=len(hosts))
+
+    def bare(h, dst):
+        subprocess.run(
+            ["rsync", "-a", "-e", rsh(), f"{d}/", f"{h}:{dst}/"],
+            check=True,
+            env=fenv,
+            capture_output=True,
+        )
+
+    def clean(path):
+        with ThreadPoolExecutor(len(hosts)) as pool:
+            list(
+                pool.map(
+                    lambda h: subprocess.run(
+                        ["ssh", h, "rm", "-rf", "--", path], env=fenv, capture_output=True
+                    ),
+                    hosts,
+                )
+            )
+
+    def sync(root, noop: bool = False) -> float:
+        t0 = time.perf_counter()
+        p = subprocess.run(
+            [PY, "bin/sync.py", "--hostfile", str(hf), "--remote-root", root, "--dataset", name],
+            cwd=ROOT,
+            env=fenv,
+            capture_output=True,
+            text=True,
+        )
+        if p.returncode != 0 or noop and p.stdout.count("actions none bytes 0") != len(hosts):
+            raise RuntimeError(
+                f"bin/sync.py{' (no-op)' if noop else ''} exited "
+                f"{p.returncode}:\n{p.stdout}\n{p.stderr}"
+            )
+        return time.perf_counter() - t0
+
+    # Warm the page cache of the source for both: the same bytes are read either way.
+    for f in d.iterdir():
+        f.read_bytes()
+    for i in range(args.reps):
+        dst = f"{fab.remote_root}/bare-{i}"
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(hosts)) as pool:
+            list(pool.map(bare, hosts, [dst] * len(hosts)))
+        t.bare.append(time.perf_counter() - t0)
+        clean(dst)
+        root = f"{fab.remote_root}/sync-{i}"
+        t.sync.append(sync(root))
+        if i < args.reps - 1:
+            clean(root)
+    t.noop = [sync(root, noop=True) for _ in range(args.reps)]
+    return t
+
+
+def report(args, t: Timings) -> int:
+    """The medians; the throughput ratio (a sample a pair) and the no-op re-sync (one a run)."""
+    bare_s, sync_s = statistics.median(t.bare), statistics.median(t.sync)
+    runs = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    print(
+        f"bare_rsync_mb_s: {t.mb / bare_s:.1f} ({t.mb:.0f} MB to {t.hosts} hosts in a median "
+        f"{bare_s:.2f} s; "
+        f"runs {runs(t.bare)} s)"
+    )
+    print(f"sync_s: {sync_s:.2f} (median; runs {runs(t.sync)} s)")
+    print(
+        f"sync_throughput_mb_s: {t.mb / sync_s:.1f} (median; includes probe, swap and sha256 "
+        "verification on "
+        "each host)"
+    )
+    verdicts = [
+        emit(
+            Gate(
+                "sync_throughput_ratio",
+                ">=",
+                args.min_ratio,
+                tuple(b / s for b, s in zip(t.bare, t.sync, strict=True)),
+            ),
+            f"bin/sync.py's MB/s over bare rsync's, a pair's; {t.mb:.0f} MB to {t.hosts} hosts",
+        ),
+        emit(
+            Gate("sync_noop_s", "<=", args.max_noop_s, tuple(t.noop)),
+            f"no-op re-sync, {t.hosts} hosts, {t.mb / t.hosts:.0f} MB dataset hashed on each",
+        ),
+    ]
+    ok = not missed(verdicts)
+    print(f"bench_sync: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
 def main() -> int:
     args = build_parser().parse_args()
     fdir = ROOT / "runs" / "fabric-bench-sync"
     name = "bench-sync"
     try:
-        try:
-            fab = fabric_cli.up(fdir, "bsync", args.hosts)
-        except RuntimeError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        fenv = fab.env()
-        hosts = fab.hosts[: args.hosts]
-        hf = fab.hostfile(hosts)
-        d = make_dataset(name, args.mb)
-        total = dir_bytes(d) * len(hosts)
-
-        def bare(h, dst):
-            subprocess.run(["rsync", "-a", "-e", rsh(), f"{d}/", f"{h}:{dst}/"],
-                           check=True, env=fenv, capture_output=True)
-
-        def clean(path):
-            with ThreadPoolExecutor(len(hosts)) as pool:
-                list(pool.map(lambda h: subprocess.run(["ssh", h, "rm", "-rf", "--", path], env=fenv,
-                                                       capture_output=True), hosts))
-
-        def sync(root):
-            t0 = time.perf_counter()
-            p = subprocess.run([PY, "bin/sync.py", "--hostfile", str(hf), "--remote-root", root,
-                                "--dataset", name], cwd=ROOT, env=fenv, capture_output=True, text=True)
-            return time.perf_counter() - t0, p
-
-        # Warm the page cache of the source for both: the same bytes are read either way.
-        for f in d.iterdir():
-            f.read_bytes()
-        bare_runs, sync_runs = [], []
-        for i in range(args.reps):
-            dst = f"{fab.remote_root}/bare-{i}"
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(len(hosts)) as pool:
-                list(pool.map(bare, hosts, [dst] * len(hosts)))
-            bare_runs.append(time.perf_counter() - t0)
-            clean(dst)
-            root = f"{fab.remote_root}/sync-{i}"
-            s, p = sync(root)
-            if p.returncode != 0:
-                print(p.stdout, p.stderr)
-                return 2
-            sync_runs.append(s)
-            if i < args.reps - 1:
-                clean(root)
-        noops = []
-        for _ in range(args.reps):
-            s, p = sync(root)
-            noops.append(s)
-            if p.returncode != 0 or p.stdout.count("actions none bytes 0") != len(hosts):
-                print(p.stdout, p.stderr)
-                return 2
-        noop_s = statistics.median(noops)
+        fab = fabric_cli.up(fdir, "bsync", args.hosts)
+        t = measure(args, fab, name)
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         shutil.rmtree(ROOT / "datasets" / name, ignore_errors=True)
         fabric_cli.down(fdir)
-
-    mb = total / 1e6
-    bare_s, sync_s = statistics.median(bare_runs), statistics.median(sync_runs)
-    bare_tp, sync_tp = mb / bare_s, mb / sync_s
-    ratio = sync_tp / bare_tp
-    runs = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-    print(f"bare_rsync_mb_s: {bare_tp:.1f} ({mb:.0f} MB to {len(hosts)} hosts in a median {bare_s:.2f} s; "
-          f"runs {runs(bare_runs)} s)")
-    print(f"sync_s: {sync_s:.2f} (median; runs {runs(sync_runs)} s)")
-    print(f"sync_throughput_mb_s: {sync_tp:.1f} (ratio {ratio:.2f} vs bare rsync {bare_tp:.1f} MB/s; "
-          f"target >= {args.min_ratio}; includes probe, swap and sha256 verification on each host)")
-    print(f"sync_noop_s: {noop_s:.3f} (median; runs {runs(noops)} s; ratio {noop_s / args.max_noop_s:.2f} vs target "
-          f"{args.max_noop_s} s, {len(hosts)} hosts, {mb / len(hosts):.0f} MB dataset hashed on each)")
-    ok = ratio >= args.min_ratio and noop_s <= args.max_noop_s
-    print(f"bench_sync: {'PASS' if ok else 'FAIL'}")
-    return 0 if ok else 1
+    return report(args, t)
 
 
 if __name__ == "__main__":

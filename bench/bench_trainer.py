@@ -5,43 +5,39 @@ Usage:
     python bench/bench_trainer.py [--config configs/stage1.yaml] [--iters 30] [--runs 4]
         [--model models/tiny-gemma4] [--data datasets/NAME] [--hostfile hostfile.local.json]
         [--val-batches 2] [--test-batches 2] [--min-ratio 0.97] [--max-ckpt-pct 3.0]
-        [--json OUT] [--keep]
+        [--min-real 1.3] [--max-tracking 0.02] [--json OUT] [--keep]
 
-Example:
-    .venv/bin/python bench/bench_trainer.py --runs 6
+Example (what `make bench` runs through bench/run_all.py):
+    .venv/bin/python bench/bench_trainer.py --config configs/demo.yaml --iters 20 --runs 3 \\
+        --data datasets/bench
 
 Runs the same config, seed, data, model and ranks (mlx.launch --hostfile, ring backend)
-through bin/train.py and through `mlx_lm lora`, in pairs whose order alternates (T M, M T,
-...), so that load on the machine falls on both alike; --val-batches/--test-batches go to
-both (they only shorten the runs: validation and test are outside the measured steps).
-Throughput is what each reports for its training steps (tokens / step time, validation and
-saving excluded, as mlx-lm counts them), over every report window but the first
-(compilation); both see the same tokens in the same order, so each window's tokens come
-from the trainer's metrics and each tool's time is tokens / its reported tok/s. The ratio
-is the median of the per-pair ratios. CPU seconds (the launch and its ranks, from
-getrusage) are printed too: on a machine shared with other work they are the steadier
-measure of overhead. The checkpoint cost is the trainer's time per checkpoint (write,
-fsync, rename, manifest, prune, the adapter copy) over the training time of save_every
-steps at the measured median step time: its share of the train wall at the config's
-cadence. Also checks that the two report the same losses (they are the same run).
-Prints the medians:
-    trainer_tok_per_s: X (ratio X/Y vs mlx_lm lora)
-    mlx_lm_lora_tok_per_s: Y (ratio 1.000 vs itself)
-    trainer_cpu_s: A (ratio A/B vs mlx_lm lora, launch + ranks, whole run)
-    trainer_wall_s: C (ratio C/D vs mlx_lm lora, process start to exit)
-    checkpoint_pct_of_train_wall: P (ratio P/3 vs the 3% budget)
-    tracking_overhead_ratio: R (ratio R/0.02 vs the 2% budget)
-    trainer_real_tokens_ratio: Q (ratio Q/1.3 vs the 1.3 target)
-Q is the records' tokens (no padding) per second of the trainer's own batches (`batching:
-length`, a fourth run in each pair) over mlx_lm lora's on the same config and steps (its real
-tokens per window are the `batching: mlx_lm` run's, which trains its very batches).
-and exits 1 when the tok/s ratio is under --min-ratio, the real-token ratio under --min-real, the checkpoint share over
---max-ckpt-pct or the tracking overhead over --max-tracking (the issues' targets), 2 when a
-run fails or the losses disagree. The tracking overhead: each pair also runs the trainer with
-`report_to: wandb` (WANDB_MODE=offline: nothing leaves the machine), and R is the time its
-training loop spent in W&B calls over its step time (the done event's tracking_s over the steps'
-step_s, the first step left out as above); its tok/s against the untracked run's is printed too,
-which also counts wandb's own service process taking CPU from the ranks.
+through bin/train.py and through `mlx_lm lora`, --runs pairs of four runs whose order
+alternates (T M L W, W L M T, ...: the two runs of each ratio side by side, so that load on
+the machine falls on both alike): T the trainer on mlx-lm's batches (`batching: mlx_lm`), M raw
+`mlx_lm lora`, L the trainer on its own batches (`batching: length`), W the trainer with
+`report_to: wandb` (WANDB_MODE=offline: nothing leaves the machine). --val-batches and
+--test-batches go to all (they only shorten the runs: validation and test are outside the
+measured steps). Throughput is what each reports for its training steps (tokens / step time,
+validation and saving excluded, as mlx-lm counts them), over every report window but the first
+(compilation); T and M see the same tokens in the same order, so each window's tokens come
+from the trainer's metrics and each tool's time is tokens / its reported tok/s. CPU seconds
+(the launch and its ranks, from getrusage) are printed too. Also checks that T and M report
+the same losses (they are the same run).
+Each gated figure is one sample a pair, printed with its median, its spread [min, max] and its
+verdict (bench/gate.py: met, missed, or undecided here when the spread straddles the target):
+    trainer_tok_per_s_ratio: T's tok/s over M's                                (target >= 0.97)
+    trainer_real_tokens_ratio: the records' tokens (no padding) per second of L over M's on the
+        same steps (M's real tokens per window are T's, which trains its very batches) (>= 1.3)
+    checkpoint_pct_of_train_wall: T's time per checkpoint (write, fsync, rename, manifest,
+        prune, the adapter copy) over the training time of save_every steps at T's median step
+        time, as a percentage: its share of the train wall at the config's cadence     (<= 3)
+    tracking_overhead_ratio: W's training loop's time in W&B calls over its step time (the done
+        event's tracking_s over the steps' step_s, the first step left out)           (<= 0.02)
+    tracked_tok_per_s_ratio: W's tok/s over T's (it also counts wandb's own service process
+        taking CPU from the ranks), reported, not a gate
+Exits 1 when a gated figure is missed by every pair (the issues' targets), 2 when a run fails
+or the losses disagree, else 0 (undecided figures fail nothing).
 """
 
 from __future__ import annotations
@@ -58,10 +54,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gate import Gate, emit, missed  # noqa: E402  (bench/gate.py: samples, spread, verdict)
 
 from lib import atomic  # noqa: E402
 from lib import config as C  # noqa: E402
@@ -186,117 +186,251 @@ def throughput(windows_tokens: dict[int, int], tps: dict[int, float]) -> float:
     return tokens / seconds
 
 
+@dataclass
+class Runs:
+    """Each tool's runs, one a pair: T (trainer), M (mlx_lm lora), L (length batches), W (wandb)."""
+
+    trainer: list = field(default_factory=list)
+    mlx_lm: list = field(default_factory=list)
+    length: list = field(default_factory=list)
+    tracked: list = field(default_factory=list)
+
+
+def write_configs(args, work: Path) -> dict[str, Path]:
+    """Each tool's config: all with mlx-lm's maths and chat format, T and M on mlx-lm's batches."""
+    from mlx_lm.utils import load_tokenizer
+
+    # Both with mlx-lm's maths (the mean of the ranks' mean losses): a config's `grad_average:
+    # tokens` weighs the ranks by their tokens, which mlx-lm does not, and the reported losses would
+    # differ. And both in the one chat format raw `mlx_lm lora` renders (it takes no
+    # chat_template_args): its default, thinking on exactly when the tokenizer has a thinking mode.
+    thinking = str(load_tokenizer(Path(args.model)).has_thinking).lower()
+    # Neither tracks (raw mlx_lm lora would start its own W&B callback); W does.
+    # And mlx-lm's batches and masks (`batching: mlx_lm`): the P1 ratio compares the same work.
+    mine = (
+        "grad_average|chat_template_args|report_to|project_name|batching|record_weights|mask_prompt"
+    )
+    base = re.sub(rf"(?m)^({mine}):.*$", "", (ROOT / args.config).read_text())
+    base += f"\ngrad_average: mlx_lm\nchat_template_args: {{enable_thinking: {thinking}}}\n"
+    texts = {
+        "trainer": base + "batching: mlx_lm\n",
+        "mlx_lm": base + "batching: mlx_lm\n",
+        "tracked": base + "batching: mlx_lm\nreport_to: wandb\n",
+        # The trainer's own batches (`batching: length`), same config: the real-token throughput.
+        "length": base + "batching: length\n",
+    }
+    paths = {}
+    for tool, text in texts.items():
+        paths[tool] = work / f"{tool}.yaml"
+        paths[tool].write_text(text)
+    return paths
+
+
+def run_pairs(args, configs: dict[str, Path], work: Path) -> Runs:
+    """--runs pairs, T M L W then W L M T: each ratio's two runs side by side."""
+    runs = Runs()
+    for i in range(args.runs):
+        order = ("trainer", "mlx_lm", "length", "tracked")
+        for tool in order if i % 2 == 0 else order[::-1]:
+            cfg, folder = str(configs[tool]), work / f"{tool}-{i}"
+            one = (
+                run_mlx_lm(args, cfg, folder)
+                if tool == "mlx_lm"
+                else run_trainer(args, cfg, folder)
+            )
+            getattr(runs, tool).append(one)
+        t, m, w = runs.trainer[-1], runs.mlx_lm[-1], runs.tracked[-1]
+        print(
+            f"pair {i + 1}/{args.runs}: trainer {t['wall_s']:.1f} s wall {t['cpu_s']:.1f} s cpu, "
+            f"mlx_lm lora {m['wall_s']:.1f} s wall {m['cpu_s']:.1f} s cpu, "
+            f"length {runs.length[-1]['wall_s']:.1f} s wall, tracked {w['wall_s']:.1f} s wall",
+            flush=True,
+        )
+    return runs
+
+
+def check_runs(runs: Runs) -> float:
+    """T and M train the same batches: their reported losses agree (the worst relative difference
+    is returned), and every W tracked; else RuntimeError."""
+    worst = 0.0
+    for o, t in zip(runs.trainer, runs.mlx_lm, strict=True):
+        if sorted(o["windows"]) != sorted(t["windows"]):
+            raise RuntimeError(
+                f"report steps differ: {sorted(o['windows'])} vs {sorted(t['windows'])}"
+            )
+        worst = max(
+            worst,
+            *(
+                abs(o["windows"][s][0] - t["windows"][s][0]) / abs(t["windows"][s][0])
+                for s in o["windows"]
+            ),
+        )
+    if worst > 1e-3:
+        raise RuntimeError(f"the two runs report different losses (worst relative {worst:.2e})")
+    if any(w["tracking_s"] is None for w in runs.tracked):
+        raise RuntimeError(
+            "a run with report_to: wandb did not track (no tracking_s in its done event)"
+        )
+    return worst
+
+
+@dataclass
+class Samples:
+    """One sample a pair of every figure."""
+
+    trainer_tps: list
+    mlx_lm_tps: list
+    tracked_tps: list
+    mlx_lm_real: list
+    length_real: list
+    ckpt_pct: list
+    tracking: list
+
+
+def samples(runs: Runs, save_every: int) -> Samples:
+    """Each pair's figures. T and M see the same tokens a window: each one's time is tokens / its
+    tok/s."""
+    tok = {s: w[1] for s, w in runs.trainer[0]["windows"].items()}
+
+    def tps(run: dict, column: int) -> float:
+        return throughput(tok, {s: w[column] for s, w in run["windows"].items()})
+
+    # Real tokens: M's per window are T's (the same batches: the losses agree), over M's own time
+    # for the window; L's over its own training time.
+    m_real = [
+        real_throughput(o["real"], {s: tok[s] / w[1] for s, w in m["windows"].items()})
+        for o, m in zip(runs.trainer, runs.mlx_lm, strict=True)
+    ]
+    pct = [
+        100 * o["checkpoint_s"] / (o["checkpoint_s"] + save_every * o["step_s"])
+        for o in runs.trainer
+    ]
+    return Samples(
+        trainer_tps=[tps(o, 2) for o in runs.trainer],
+        mlx_lm_tps=[tps(m, 1) for m in runs.mlx_lm],
+        tracked_tps=[tps(w, 2) for w in runs.tracked],
+        mlx_lm_real=m_real,
+        length_real=[real_throughput(x["real"], x["train_s"]) for x in runs.length],
+        ckpt_pct=pct,
+        tracking=[w["tracking_s"] / w["steps_s"] for w in runs.tracked],
+    )
+
+
+def per_pair(a: list, b: list) -> tuple[float, ...]:
+    return tuple(x / y for x, y in zip(a, b, strict=True))
+
+
+def report(args, runs: Runs, s: Samples, save_every: int) -> list:
+    """The medians, then each gated figure with its spread and verdict (bench/gate.py)."""
+    med = statistics.median
+    cpu = per_pair([o["cpu_s"] for o in runs.trainer], [m["cpu_s"] for m in runs.mlx_lm])
+    wall = per_pair([o["wall_s"] for o in runs.trainer], [m["wall_s"] for m in runs.mlx_lm])
+    tok_ratio = per_pair(s.trainer_tps, s.mlx_lm_tps)
+    print(
+        f"trainer_tok_per_s: {med(s.trainer_tps):.1f} (median; ratio {med(tok_ratio):.3f} vs "
+        "mlx_lm lora)"
+    )
+    print(f"mlx_lm_lora_tok_per_s: {med(s.mlx_lm_tps):.1f} (median; ratio 1.000 vs itself)")
+    print(
+        f"trainer_cpu_s: {med(o['cpu_s'] for o in runs.trainer):.1f} (ratio {med(cpu):.3f} vs "
+        "mlx_lm lora, "
+        "launch + ranks, whole run)"
+    )
+    print(
+        f"trainer_wall_s: {med(o['wall_s'] for o in runs.trainer):.1f} (ratio {med(wall):.3f} vs "
+        "mlx_lm lora, "
+        "process start to exit)"
+    )
+    load = [round(x, 2) for x in os.getloadavg()]
+    gates = [
+        (
+            Gate("trainer_tok_per_s_ratio", ">=", args.min_ratio, tok_ratio),
+            f"trainer {med(s.trainer_tps):.1f} vs mlx_lm lora {med(s.mlx_lm_tps):.1f} tok/s, "
+            f"mlx-lm's batches; load {load}",
+        ),
+        (
+            Gate(
+                "trainer_real_tokens_ratio",
+                ">=",
+                args.min_real,
+                per_pair(s.length_real, s.mlx_lm_real),
+            ),
+            f"batching: length {med(s.length_real):.1f} real tok/s vs mlx_lm lora "
+            f"{med(s.mlx_lm_real):.1f}; "
+            f"padding_fraction {med(x['padding_fraction'] for x in runs.length):.3f}; load {load}",
+        ),
+        (
+            Gate("checkpoint_pct_of_train_wall", "<=", args.max_ckpt_pct, tuple(s.ckpt_pct)),
+            f"checkpoint {med(o['checkpoint_s'] for o in runs.trainer):.3f} s, step "
+            f"{med(o['step_s'] for o in runs.trainer):.3f} s (medians), save_every {save_every}, "
+            "percent",
+        ),
+        (
+            Gate("tracking_overhead_ratio", "<=", args.max_tracking, tuple(s.tracking)),
+            "W&B calls in the loop over the step time, report_to: wandb offline",
+        ),
+        (
+            Gate(
+                "tracked_tok_per_s_ratio", "reported", 1.0, per_pair(s.tracked_tps, s.trainer_tps)
+            ),
+            "tracked tok/s over untracked, wandb's service process included",
+        ),
+    ]
+    return [emit(g, detail) for g, detail in gates]
+
+
+def write_json(args, runs: Runs, s: Samples, verdicts: list) -> None:
+    atomic.write_json(
+        args.json,
+        {
+            "trainer_tok_per_s": s.trainer_tps,
+            "mlx_lm_lora_tok_per_s": s.mlx_lm_tps,
+            "length_real_tok_per_s": s.length_real,
+            "mlx_lm_real_tok_per_s": s.mlx_lm_real,
+            "checkpoint_pct_of_train_wall": s.ckpt_pct,
+            "tracking": s.tracking,
+            "padding_fraction": [x["padding_fraction"] for x in runs.length],
+            "verdicts": {v.name: v.as_json() for v in verdicts},
+            "runs": args.runs,
+            "iters": args.iters,
+            "config": args.config,
+        },
+    )
+
+
 def main() -> int:
     args = build_parser().parse_args()
     cfg = C.resolve(args.config, {"model": args.model, "data": args.data, "iters": args.iters})
     if not (ROOT / args.model / "config.json").is_file() and not Path(args.model).is_dir():
         print(f"error: model {args.model} not found: run `make tiny-model`", file=sys.stderr)
         return 2
-    if not (ROOT / args.data / "train.jsonl").is_file() and not (Path(args.data) / "train.jsonl").is_file():
+    if (
+        not (ROOT / args.data / "train.jsonl").is_file()
+        and not (Path(args.data) / "train.jsonl").is_file()
+    ):
         print(f"error: dataset {args.data} not found: run `make export`", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-trainer-", dir=ROOT / "runs"))
-    ours, theirs = [], []
-    # Both with mlx-lm's maths (the mean of the ranks' mean losses): a config's `grad_average: tokens`
-    # weighs the ranks by their tokens, which mlx-lm does not, and the reported losses would differ.
-    # And both in the one chat format raw `mlx_lm lora` renders (it takes no chat_template_args): its
-    # default, thinking on exactly when the tokenizer has a thinking mode.
-    from mlx_lm.utils import load_tokenizer
-
-    thinking = str(load_tokenizer(Path(args.model)).has_thinking).lower()
-    config = work / "config.yaml"
-    # Neither tracks (raw mlx_lm lora would start its own W&B callback); the third run of a pair does.
-    # And mlx-lm's batches and masks (`batching: mlx_lm`): the P1 ratio compares the same work.
-    mine = "grad_average|chat_template_args|report_to|project_name|batching|record_weights|mask_prompt"
-    config.write_text(re.sub(rf"(?m)^({mine}):.*$", "", (ROOT / args.config).read_text())
-                      + f"\ngrad_average: mlx_lm\nchat_template_args: {{enable_thinking: {thinking}}}\n"
-                      + "batching: mlx_lm\n")
-    (tracked_cfg := work / "tracked.yaml").write_text(config.read_text() + "report_to: wandb\n")
-    # The trainer's own batches (`batching: length`) on the same config: the real-token throughput.
-    (length_cfg := work / "length.yaml").write_text(config.read_text().replace("batching: mlx_lm", "batching: length"))
-    tracked, lengthwise = [], []
     try:
-        for i in range(args.runs):
-            order = ("trainer", "tracked", "length", "mlx_lm") if i % 2 == 0 else ("mlx_lm", "length", "tracked", "trainer")
-            for tool in order:
-                if tool == "trainer":
-                    ours.append(run_trainer(args, str(config), work / f"trainer-{i}"))
-                elif tool == "length":
-                    lengthwise.append(run_trainer(args, str(length_cfg), work / f"length-{i}"))
-                elif tool == "tracked":
-                    tracked.append(run_trainer(args, str(tracked_cfg), work / f"tracked-{i}"))
-                else:
-                    theirs.append(run_mlx_lm(args, str(config), work / f"mlx-lm-{i}"))
-            print(f"pair {i + 1}/{args.runs}: trainer {ours[-1]['wall_s']:.1f} s wall {ours[-1]['cpu_s']:.1f} s cpu, "
-                  f"mlx_lm lora {theirs[-1]['wall_s']:.1f} s wall {theirs[-1]['cpu_s']:.1f} s cpu, "
-                  f"tracked {tracked[-1]['wall_s']:.1f} s wall", flush=True)
+        runs = run_pairs(args, write_configs(args, work), work)
+        worst = check_runs(runs)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-
-    worst = 0.0
-    for o, t in zip(ours, theirs, strict=True):
-        if sorted(o["windows"]) != sorted(t["windows"]):
-            print(f"error: report steps differ: {sorted(o['windows'])} vs {sorted(t['windows'])}", file=sys.stderr)
-            return 2
-        worst = max(worst, *(abs(o["windows"][s][0] - t["windows"][s][0]) / abs(t["windows"][s][0])
-                             for s in o["windows"]))
-    if worst > 1e-3:
-        print(f"error: the two runs report different losses (worst relative {worst:.2e})", file=sys.stderr)
-        return 2
-
-    tok = {s: w[1] for s, w in ours[0]["windows"].items()}
-    ours_tps = [throughput(tok, {s: w[2] for s, w in o["windows"].items()}) for o in ours]
-    theirs_tps = [throughput(tok, {s: w[1] for s, w in t["windows"].items()}) for t in theirs]
-    ratio = statistics.median(o / t for o, t in zip(ours_tps, theirs_tps, strict=True))
-    med = statistics.median
-    cpu_ratio = med(o["cpu_s"] / t["cpu_s"] for o, t in zip(ours, theirs, strict=True))
-    wall_ratio = med(o["wall_s"] / t["wall_s"] for o, t in zip(ours, theirs, strict=True))
-    ckpt_s, step_s = med(o["checkpoint_s"] for o in ours), med(o["step_s"] for o in ours)
-    ckpt_pct = 100 * ckpt_s / (ckpt_s + cfg["save_every"] * step_s)
-    print(f"config: {args.config} iters {args.iters} batch {cfg['batch_size']} save_every {cfg['save_every']}, "
-          f"ranks via {args.hostfile}, model {args.model}, data {args.data}; {args.runs} pairs; "
-          f"losses agree (worst relative {worst:.1e}); checkpoint {ckpt_s:.3f} s, step {step_s:.3f} s (medians)")
-    print(f"trainer_tok_per_s: {med(ours_tps):.1f} (ratio {ratio:.3f} vs mlx_lm lora)")
-    print(f"mlx_lm_lora_tok_per_s: {med(theirs_tps):.1f} (ratio 1.000 vs itself)")
-    print(f"trainer_cpu_s: {med(o['cpu_s'] for o in ours):.1f} (ratio {cpu_ratio:.3f} vs mlx_lm lora, "
-          "launch + ranks, whole run)")
-    print(f"trainer_wall_s: {med(o['wall_s'] for o in ours):.1f} (ratio {wall_ratio:.3f} vs mlx_lm lora, "
-          "process start to exit)")
-    print(f"checkpoint_pct_of_train_wall: {ckpt_pct:.3f} (ratio {ckpt_pct / args.max_ckpt_pct:.3f} "
-          f"vs the {args.max_ckpt_pct:g}% budget)")
-    if any(t["tracking_s"] is None for t in tracked):
-        print("error: a run with report_to: wandb did not track (no tracking_s in its done event)", file=sys.stderr)
-        return 2
-    track = med(t["tracking_s"] / t["steps_s"] for t in tracked)
-    tracked_tps = med(throughput(tok, {s: w[2] for s, w in t["windows"].items()}) / o
-                      for t, o in zip(tracked, ours_tps, strict=True))
-    print(f"tracking_overhead_ratio: {track:.5f} (ratio {track / args.max_tracking:.3f} vs the "
-          f"{args.max_tracking:.0%} budget: W&B calls in the loop over the step time; tracked tok/s "
-          f"{tracked_tps:.3f}x untracked)")
-    # Real tokens: mlx-lm's per window are the P1 trainer run's (the same batches: the losses agree above),
-    # over mlx_lm lora's own time for the window; the length run's over its own training time.
-    theirs_real = [real_throughput(o["real"], {s: tok[s] / w[1] for s, w in t["windows"].items()})
-                   for o, t in zip(ours, theirs, strict=True)]
-    length_real = [real_throughput(x["real"], x["train_s"]) for x in lengthwise]
-    real_ratio = statistics.median(a / b for a, b in zip(length_real, theirs_real, strict=True))
-    padding = med(x["padding_fraction"] for x in lengthwise)
-    print(f"trainer_real_tokens_ratio: {real_ratio:.3f} (ratio {real_ratio / args.min_real:.3f} vs the "
-          f"{args.min_real:g} target: batching: length {med(length_real):.1f} real tok/s vs mlx_lm lora "
-          f"{med(theirs_real):.1f}; padding_fraction {padding:.3f})")
+    print(
+        f"config: {args.config} iters {args.iters} batch {cfg['batch_size']} save_every "
+        f"{cfg['save_every']}, "
+        f"ranks via {args.hostfile}, model {args.model}, data {args.data}; {args.runs} pairs; "
+        f"losses agree (worst relative {worst:.1e})"
+    )
+    s = samples(runs, cfg["save_every"])
+    verdicts = report(args, runs, s, cfg["save_every"])
     if args.json:
-        atomic.write_json(args.json, {"trainer_tok_per_s": ours_tps, "mlx_lm_lora_tok_per_s": theirs_tps,
-                                      "trainer_real_tokens_ratio": real_ratio, "padding_fraction": padding,
-                                      "ratio": ratio, "cpu_ratio": cpu_ratio, "wall_ratio": wall_ratio,
-                                      "checkpoint_s": ckpt_s, "step_s": step_s,
-                                      "checkpoint_pct_of_train_wall": ckpt_pct, "runs": args.runs,
-                                      "tracking_overhead_ratio": track, "tracked_tok_per_s_ratio": tracked_tps,
-                                      "iters": args.iters, "config": args.config})
-    met = ratio >= args.min_ratio and real_ratio >= args.min_real
-    return 0 if met and ckpt_pct <= args.max_ckpt_pct and track <= args.max_tracking else 1
+        write_json(args, runs, s, verdicts)
+    return 1 if missed(verdicts) else 0
 
 
 if __name__ == "__main__":
