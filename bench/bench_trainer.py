@@ -3,27 +3,30 @@
 
 Usage:
     python bench/bench_trainer.py [--config configs/stage1.yaml] [--iters 30] [--runs 4]
-        [--model models/tiny-gemma4] [--data datasets/NAME] [--hostfile hostfile.local.json]
+        [--side-runs N] [--model models/tiny-gemma4] [--data datasets/NAME]
+        [--hostfile hostfile.local.json]
         [--val-batches 2] [--test-batches 2] [--min-ratio 0.97] [--max-ckpt-pct 3.0]
         [--min-real 1.3] [--max-tracking 0.02] [--json OUT] [--keep]
 
 Example (what `make bench` runs through bench/run_all.py):
-    .venv/bin/python bench/bench_trainer.py --config configs/demo.yaml --iters 20 --runs 3 \\
-        --data datasets/bench
+    .venv/bin/python bench/bench_trainer.py --config configs/demo.yaml --iters 20 --runs 5 \\
+        --side-runs 3 --data datasets/bench
 
 Runs the same config, seed, data, model and ranks (mlx.launch --hostfile, ring backend)
 through bin/train.py and through `mlx_lm lora`, --runs pairs of four runs whose order
 alternates (T M L W, W L M T, ...: the two runs of each ratio side by side, so that load on
 the machine falls on both alike): T the trainer on mlx-lm's batches (`batching: mlx_lm`), M raw
 `mlx_lm lora`, L the trainer on its own batches (`batching: length`), W the trainer with
-`report_to: wandb` (WANDB_MODE=offline: nothing leaves the machine). --val-batches and
---test-batches go to all (they only shorten the runs: validation and test are outside the
-measured steps). Throughput is what each reports for its training steps (tokens / step time,
-validation and saving excluded, as mlx-lm counts them), over every report window but the first
-(compilation); T and M see the same tokens in the same order, so each window's tokens come
-from the trainer's metrics and each tool's time is tokens / its reported tok/s. CPU seconds
-(the launch and its ranks, from getrusage) are printed too. Also checks that T and M report
-the same losses (they are the same run).
+`report_to: wandb` (WANDB_MODE=offline: nothing leaves the machine); L and W only in the first
+--side-runs pairs, the pairs after them T M or M T: L's and W's figures have margins a few
+pairs bound, T's ratio to M has none to spare. --val-batches and --test-batches go to all (they
+only shorten the runs: validation and test are outside the measured steps). Throughput is what
+each reports for its training steps (tokens / step time, validation and saving excluded, as
+mlx-lm counts them), over every report window but the first (compilation); T and M see the same
+tokens in the same order, so each window's tokens come from the trainer's metrics and each
+tool's time is tokens / its reported tok/s. CPU seconds (the launch and its ranks, from
+getrusage) are printed too. Also checks that T and M report the same losses (they are the same
+run).
 Each gated figure is one sample a pair, printed with its median, its spread [min, max] and its
 verdict (bench/gate.py: met, missed, or undecided here when the spread straddles the target):
     trainer_tok_per_s_ratio: T's tok/s over M's                                (target >= 0.97)
@@ -78,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="configs/stage1.yaml")
     p.add_argument("--iters", type=int, default=30, help="steps per run (default 30)")
     p.add_argument("--runs", type=int, default=4, help="runs of each tool, in alternating pairs (default 4)")
+    p.add_argument("--side-runs", type=int, help="pairs that also run L and W (default: all)")
     p.add_argument("--val-batches", type=int, default=2, help="to both tools (default 2; -1 = the config's)")
     p.add_argument("--test-batches", type=int, default=2, help="to both tools (default 2; -1 = the config's)")
     p.add_argument("--model", default="models/tiny-gemma4")
@@ -227,10 +231,11 @@ def write_configs(args, work: Path) -> dict[str, Path]:
 
 
 def run_pairs(args, configs: dict[str, Path], work: Path) -> Runs:
-    """--runs pairs, T M L W then W L M T: each ratio's two runs side by side."""
+    """--runs pairs, T M L W then W L M T: each ratio's two runs side by side; L and W in the first
+    --side-runs pairs only."""
     runs = Runs()
     for i in range(args.runs):
-        order = ("trainer", "mlx_lm", "length", "tracked")
+        order = ("trainer", "mlx_lm", "length", "tracked")[: 4 if i < side_runs(args) else 2]
         for tool in order if i % 2 == 0 else order[::-1]:
             cfg, folder = str(configs[tool]), work / f"{tool}-{i}"
             one = (
@@ -239,14 +244,20 @@ def run_pairs(args, configs: dict[str, Path], work: Path) -> Runs:
                 else run_trainer(args, cfg, folder)
             )
             getattr(runs, tool).append(one)
-        t, m, w = runs.trainer[-1], runs.mlx_lm[-1], runs.tracked[-1]
+        t, m = runs.trainer[-1], runs.mlx_lm[-1]
+        sides = (f", length {runs.length[-1]['wall_s']:.1f} s wall, tracked "
+                 f"{runs.tracked[-1]['wall_s']:.1f} s wall" if i < side_runs(args) else "")
         print(
             f"pair {i + 1}/{args.runs}: trainer {t['wall_s']:.1f} s wall {t['cpu_s']:.1f} s cpu, "
-            f"mlx_lm lora {m['wall_s']:.1f} s wall {m['cpu_s']:.1f} s cpu, "
-            f"length {runs.length[-1]['wall_s']:.1f} s wall, tracked {w['wall_s']:.1f} s wall",
+            f"mlx_lm lora {m['wall_s']:.1f} s wall {m['cpu_s']:.1f} s cpu{sides}",
             flush=True,
         )
     return runs
+
+
+def side_runs(args) -> int:
+    """How many pairs also run L and W: --side-runs, at most --runs (unset: every pair)."""
+    return args.runs if args.side_runs is None else min(args.side_runs, args.runs)
 
 
 def check_runs(runs: Runs) -> float:
@@ -353,7 +364,7 @@ def report(args, runs: Runs, s: Samples, save_every: int) -> list:
                 "trainer_real_tokens_ratio",
                 ">=",
                 args.min_real,
-                per_pair(s.length_real, s.mlx_lm_real),
+                per_pair(s.length_real, s.mlx_lm_real[: len(s.length_real)]),
             ),
             f"batching: length {med(s.length_real):.1f} real tok/s vs mlx_lm lora "
             f"{med(s.mlx_lm_real):.1f}; "
@@ -371,7 +382,10 @@ def report(args, runs: Runs, s: Samples, save_every: int) -> list:
         ),
         (
             Gate(
-                "tracked_tok_per_s_ratio", "reported", 1.0, per_pair(s.tracked_tps, s.trainer_tps)
+                "tracked_tok_per_s_ratio",
+                "reported",
+                1.0,
+                per_pair(s.tracked_tps, s.trainer_tps[: len(s.tracked_tps)]),
             ),
             "tracked tok/s over untracked, wandb's service process included",
         ),

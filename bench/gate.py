@@ -6,8 +6,8 @@ Usage (in a bench script; bench/run_all.py reads the lines back and decides agai
     verdict = emit(g, "trainer 1043 vs mlx_lm lora 1030 tok/s")
 
 Example of what emit prints:
-    trainer_tok_per_s_ratio: 1 (trainer 1043 vs mlx_lm lora 1030 tok/s; median of 4 pairs, spread
-        [0.98, 1.05], target >= 0.97: met)
+    trainer_tok_per_s_ratio: 1 (trainer 1043 vs mlx_lm lora 1030 tok/s; spread [0.98, 1.05] of 4
+        pairs, target >= 0.97: met)
     gate trainer_tok_per_s_ratio >= 0.97 pairs 1.01 0.99 1.05 0.98
 
 A gated figure is measured as one sample per interleaved pair (A B, B A, ...; the ratio of the two
@@ -18,7 +18,7 @@ the target, so that the machine's noise cannot flip the verdict:
     missed     no pair meets it: a real regression, `make bench` exits 1
     undecided  the spread straddles the target, or there are fewer than MIN_PAIRS pairs: the noise
                here is wider than the margin; reported with the load it ran under, it fails nothing
-Op "reported" carries a figure's spread with no target: never gated.
+Op "reported" carries a figure's spread and its target for the reader, and never gates.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ Benchmarks, in order (NAME: what runs):
     export        bench/bench_export.py --records 200000 --repeat 3
     check_parity  bench/bench_check_parity.py --runs 5          (its own 3-host fabric)
     sync          bench/bench_sync.py --mb 200 --reps 5          (its own 2-host fabric)
-    trainer       bench/bench_trainer.py --config configs/demo.yaml --iters 20 --runs 3
-                  --data datasets/bench
+    trainer       bench/bench_trainer.py --config configs/demo.yaml --iters 20 --runs 5
+                  --side-runs 3 --data datasets/bench
                   (bin/train.py vs raw `mlx_lm lora`, its real tokens, checkpoints and tracking)
     loss          bench/bench_loss.py --runs 3: chunked loss vs default_loss, peak memory and
                   step time
@@ -88,9 +88,9 @@ EXTERNAL = [
     ("sync", ["bench/bench_sync.py", "--mb", "200", "--reps", "5"],
      ["bench/bench_sync.py", "--mb", "4", "--reps", "1"], 90),
     ("trainer", ["bench/bench_trainer.py", "--config", "configs/demo.yaml", "--iters", "20",
-                 "--runs", "3", "--data", f"datasets/{DATASET}"],
+                 "--runs", "5", "--side-runs", "3", "--data", f"datasets/{DATASET}"],
      ["bench/bench_trainer.py", "--config", "configs/demo.yaml", "--iters", "10", "--runs", "1",
-      "--data", f"datasets/{DATASET}"], 330),
+      "--data", f"datasets/{DATASET}"], 420),
     ("loss", ["bench/bench_loss.py", "--runs", "3"],
      ["bench/bench_loss.py", "--vocab", "16384", "--runs", "1"], 160),
     # its own 2-host pinned fabric
